@@ -1,0 +1,18 @@
+"""The MHA2MLA method: partial RoPE, low-rank joint K/V, the MLA model, its latent cache.
+
+Pure torch + transformers: no Hydra, no I/O policy. Importing it registers the `mha2mla`
+model type with transformers' Auto classes.
+"""
+
+from .cache import LatentCache, QuantizedLatentCache, cache_nbytes
+from .configuration import MLAConfig
+from .convert import check_architecture, convert_to_mla
+from .modeling import MLAAttention, MLAForCausalLM, MLAModel
+from .rope_selection import fixed_pairs, select_rope_pairs
+from .spec import ROPE_STRATEGIES, SVD_VARIANTS, MLASpec, ModelShape, kv_elements_per_token, kv_ratio, max_d_kv
+
+__all__ = [
+    "LatentCache", "QuantizedLatentCache", "cache_nbytes", "MLAConfig", "check_architecture", "convert_to_mla",
+    "MLAAttention", "MLAForCausalLM", "MLAModel", "fixed_pairs", "select_rope_pairs", "ROPE_STRATEGIES",
+    "SVD_VARIANTS", "MLASpec", "ModelShape", "kv_elements_per_token", "kv_ratio", "max_d_kv",
+]

@@ -1,0 +1,163 @@
+"""The MLA latent cache, plain and quantized, on transformers' Cache API.
+
+Per layer a `Cache` layer holds two tensors in the slots transformers calls keys/values:
+`keys`  = k_rope, the rotated RoPE part of the keys, `[B, n_kv, T, 2r]`;
+`values` = c_kv, the joint latent shared by all heads, `[B, 1, T, n_kv*d_kv]`.
+Nothing else is cached: the NoPE keys and the values are re-expanded from c_kv (or, absorbed,
+never materialised). `nbytes()` counts the bytes actually held, quantization metadata included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer, QuantizedLayer
+
+QUANT_BACKENDS = ("quanto", "hqq")
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes held by the tensors inside `obj` (tensor subclasses, dicts and tuples are walked)."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(type(obj), "__tensor_flatten__"):  # quanto's packed tensors
+            inner_names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name)) for name in inner_names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if isinstance(obj, QuantizedBlock):
+        return tensor_bytes(obj.payload)
+    return 0
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes held by any transformers cache (DynamicCache, QuantizedCache, ours)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += tensor_bytes(getattr(layer, name, None))
+    return total
+
+
+class LatentLayer(DynamicLayer):
+    """One layer of the plain latent cache."""
+
+    def get_seq_length(self) -> int:
+        # keys (k_rope) are empty under NoPE (r=0), so the length is read from the latent
+        if not self.is_initialized or self.values.numel() == 0:
+            return 0
+        return self.values.shape[-2]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys) + tensor_bytes(self.values) if self.is_initialized else 0
+
+
+class LatentCache(Cache):
+    """The MLA latent cache: k_rope and c_kv per layer and token, nothing more."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(layer_class_to_replicate=LatentLayer)
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self)
+
+
+class QuantizedBlock:
+    """A quantized `[B, H, T, D]` tensor: the backend's payload plus what is needed to rebuild it."""
+
+    __slots__ = ("payload", "shape", "dtype")
+
+    def __init__(self, payload, shape, dtype):
+        self.payload, self.shape, self.dtype = payload, shape, dtype
+
+
+class QuantizedLatentLayer(QuantizedLayer):
+    """A latent cache layer quantized with quanto or HQQ, after transformers' `QuantizedLayer`.
+
+    The most recent tokens (up to `residual_length`) stay in full precision; when the window
+    fills, everything is re-quantized. Groups run along tokens within one channel (per-channel
+    quantization, as KIVI does for keys): the token axis is padded (by replication) to a multiple
+    of `q_group_size`, and the padding is counted in `nbytes()`.
+    """
+
+    def __init__(self, backend: str = "quanto", nbits: int = 4, q_group_size: int = 64, residual_length: int = 128):
+        if backend not in QUANT_BACKENDS:
+            raise ValueError(f"unknown KV quantization backend {backend!r}; expected one of {QUANT_BACKENDS}")
+        allowed = (2, 4) if backend == "quanto" else (1, 2, 3, 4, 8)
+        if nbits not in allowed:
+            raise ValueError(f"nbits={nbits} is not supported by backend {backend!r}; expected one of {allowed}")
+        super().__init__(nbits=nbits, q_group_size=q_group_size, residual_length=residual_length)
+        self.backend = backend
+
+    def _quantize(self, tensor: torch.Tensor, axis: int) -> QuantizedBlock:
+        shape, dtype = tuple(tensor.shape), tensor.dtype
+        if tensor.numel() == 0:  # k_rope under NoPE
+            return QuantizedBlock(None, shape, dtype)
+        g = self.q_group_size
+        t = shape[-2]
+        channels_major = tensor.transpose(-1, -2)  # [B, H, D, T]
+        pad = (-t) % g
+        if pad:
+            flat = channels_major.reshape(-1, 1, t)
+            channels_major = F.pad(flat, (0, pad), mode="replicate")
+        groups = channels_major.reshape(-1, g)
+        return QuantizedBlock(self._backend_quantize(groups), shape, dtype)
+
+    def _dequantize(self, block: QuantizedBlock) -> torch.Tensor:
+        b, h, t, d = block.shape
+        if block.payload is None:
+            return torch.empty(block.shape, dtype=block.dtype, device=self.device)
+        groups = self._backend_dequantize(block.payload).to(block.dtype)
+        padded_t = groups.numel() // (b * h * d)
+        return groups.reshape(b, h, d, padded_t)[..., :t].transpose(-1, -2).contiguous()
+
+    def _backend_quantize(self, groups: torch.Tensor):
+        if self.backend == "quanto":
+            from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
+
+            qtype = qint4 if self.nbits == 4 else qint2
+            scale, shift = MaxOptimizer()(groups, qtype, 0, groups.shape[-1])
+            return quantize_weight(groups, qtype, 0, scale, shift, groups.shape[-1])
+        from hqq.core.quantize import Quantizer
+
+        qtensor, meta = Quantizer.quantize(
+            groups, axis=1, device=groups.device, compute_dtype=groups.dtype,
+            nbits=self.nbits, group_size=groups.shape[-1],
+        )
+        meta["compute_dtype"] = groups.dtype
+        return qtensor, meta
+
+    def _backend_dequantize(self, payload) -> torch.Tensor:
+        if self.backend == "quanto":
+            return payload.dequantize()
+        from hqq.core.quantize import Quantizer
+
+        qtensor, meta = payload
+        return Quantizer.dequantize(qtensor, meta)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def residual_nbytes(self) -> int:
+        """Bytes of the full-precision window of recent tokens."""
+        return tensor_bytes(self.keys) + tensor_bytes(self.values) if self.is_initialized else 0
+
+    def nbytes(self) -> int:
+        return self.residual_nbytes() + tensor_bytes(self._quantized_keys) + tensor_bytes(self._quantized_values)
+
+
+class QuantizedLatentCache(Cache):
+    """The latent cache with k_rope and c_kv quantized (quanto or HQQ, 4 or 2 bits)."""
+
+    def __init__(self, num_layers: int, backend: str = "quanto", nbits: int = 4,
+                 q_group_size: int = 64, residual_length: int = 128):
+        layers = [QuantizedLatentLayer(backend, nbits, q_group_size, residual_length) for _ in range(num_layers)]
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def residual_nbytes(self) -> int:
+        return sum(layer.residual_nbytes() for layer in self.layers)

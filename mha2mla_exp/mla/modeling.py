@@ -1,0 +1,267 @@
+"""The MHA2MLA model: Llama blocks whose attention caches a low-rank latent plus partial-RoPE keys.
+
+Layout inside `MLAAttention` (per layer):
+- `q_proj`: full-rank queries, each head's rows reordered to [RoPE dims (2r) | NoPE dims (d_h-2r)]
+  so that the kept pairs of its KV head come first (a permutation shared with the keys leaves q.k unchanged).
+- `k_rope_proj`: the keys' RoPE dims, per KV head (`n_kv*2r` outputs).
+- `kv_down_proj` (W_dkv): hidden -> latent c_kv (`n_kv*d_kv`). With svd='none' the "latent" is the
+  full [k_nope | v] and there are no up-projections.
+- `k_up_proj` (W_uk): latent (or its first half under 'split') -> NoPE keys of all KV heads.
+- `v_up_proj` (W_uv): latent (or its second half under 'split') -> values of all KV heads.
+- `o_proj`: unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .cache import LatentCache, QuantizedLatentCache
+from .configuration import MLAConfig
+from .rope_selection import rope_dims
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: MLAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = d_h = config.head_dim
+        self.num_heads = n_h = config.num_attention_heads
+        self.num_kv_heads = n_kv = config.num_key_value_heads
+        self.num_key_value_groups = n_h // n_kv
+        self.scaling = d_h**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        r = config.rope_r
+        self.rope_dim = 2 * r
+        self.nope_dim = d_h - 2 * r
+        self.register_buffer("rope_index", self._rope_index(), persistent=False)
+
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, n_h * d_h, bias=config.q_bias)
+        self.k_rope_proj = nn.Linear(d, n_kv * self.rope_dim, bias=config.kv_bias)
+        if config.svd == "none":
+            self.latent_dim = n_kv * (self.nope_dim + d_h)
+            self.kv_down_proj = nn.Linear(d, self.latent_dim, bias=config.kv_bias)
+            self.k_up_proj = self.v_up_proj = None
+            self.k_latent = slice(0, n_kv * self.nope_dim)
+            self.v_latent = slice(n_kv * self.nope_dim, self.latent_dim)
+        else:
+            self.latent_dim = n_kv * config.d_kv
+            self.kv_down_proj = nn.Linear(d, self.latent_dim, bias=False)
+            half = self.latent_dim // 2
+            self.k_latent = slice(0, half) if config.svd == "split" else slice(0, self.latent_dim)
+            self.v_latent = slice(half, self.latent_dim) if config.svd == "split" else slice(0, self.latent_dim)
+            k_in = self.k_latent.stop - self.k_latent.start
+            v_in = self.v_latent.stop - self.v_latent.start
+            self.k_up_proj = nn.Linear(k_in, n_kv * self.nope_dim, bias=config.kv_bias)
+            self.v_up_proj = nn.Linear(v_in, n_kv * d_h, bias=config.kv_bias)
+        self.o_proj = nn.Linear(n_h * d_h, d, bias=config.o_bias)
+
+    def _rope_index(self, device=None) -> torch.Tensor:
+        dims = rope_dims(self.config.rope_pairs[self.layer_idx], self.head_dim)
+        return torch.tensor(dims, dtype=torch.long, device=device).view(self.num_kv_heads, self.rope_dim)
+
+    def reset_buffers(self, device) -> None:
+        """Recompute `rope_index` (non-persistent, so empty after a meta-device construction)."""
+        self.rope_index = self._rope_index(device)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        q_rope, q_nope = q.split([self.rope_dim, self.nope_dim], dim=-1)
+        k_rope = self.k_rope_proj(hidden_states).view(b, t, self.num_kv_heads, self.rope_dim).transpose(1, 2)
+        latent = self.kv_down_proj(hidden_states).unsqueeze(1)  # [B, 1, T, latent]
+        if self.rope_dim:
+            q_rope, k_rope = self._rotate(q_rope, k_rope, *position_embeddings)
+
+        if cache is not None:
+            k_rope, latent = cache.update(k_rope, latent, self.layer_idx)
+
+        if self.config.absorb and self.k_up_proj is not None:
+            out = self._absorbed_attention(q_rope, q_nope, k_rope, latent, attention_mask)
+        else:
+            out = self._expanded_attention(q_rope, q_nope, k_rope, latent, attention_mask, **kwargs)
+        return self.o_proj(out.reshape(b, t, -1)), None
+
+    def _rotate(self, q_rope, k_rope, cos, sin):
+        # cos/sin: [B, T, d_h] in rotate_half layout; pick each KV head's kept dims
+        cos_k = cos[..., self.rope_index].permute(0, 2, 1, 3)  # [B, n_kv, T, 2r]
+        sin_k = sin[..., self.rope_index].permute(0, 2, 1, 3)
+        cos_q = cos_k.repeat_interleave(self.num_key_value_groups, dim=1)
+        sin_q = sin_k.repeat_interleave(self.num_key_value_groups, dim=1)
+        return q_rope * cos_q + rotate_half(q_rope) * sin_q, k_rope * cos_k + rotate_half(k_rope) * sin_k
+
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NoPE keys and values `[B, n_kv, S, *]` from the latent `[B, 1, S, latent]`."""
+        b, _, s, _ = latent.shape
+        c = latent.squeeze(1)
+        k_nope, v = c[..., self.k_latent], c[..., self.v_latent]
+        if self.k_up_proj is not None:
+            k_nope, v = self.k_up_proj(k_nope), self.v_up_proj(v)
+        k_nope = k_nope.view(b, s, self.num_kv_heads, self.nope_dim).transpose(1, 2)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k_nope, v
+
+    def _expanded_attention(self, q_rope, q_nope, k_rope, latent, attention_mask, **kwargs):
+        k_nope, v = self.expand_latent(latent)
+        query = torch.cat([q_rope, q_nope], dim=-1)
+        key = torch.cat([k_rope, k_nope], dim=-1)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, _ = attention_interface(
+            self, query, key, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs,
+        )
+        return out  # [B, T, n_h, d_h]
+
+    def _absorbed_attention(self, q_rope, q_nope, k_rope, latent, attention_mask):
+        """Attention that reads the cached latent directly: W_uk folded into the query, W_uv applied
+        to the attended latent. The k_up bias adds q_nope.b_k to every score of a query, a constant
+        that softmax cancels, so it is dropped."""
+        b, n_h, t, _ = q_nope.shape
+        n_kv, g = self.num_kv_heads, self.num_key_value_groups
+        s = latent.shape[-2]
+        c_k, c_v = latent[..., self.k_latent], latent[..., self.v_latent]  # [B, 1, S, L_k|L_v]
+
+        w_uk = self.k_up_proj.weight.view(n_kv, self.nope_dim, self.k_up_proj.in_features)
+        q_latent = torch.einsum("bkgtn,knl->bkgtl", q_nope.reshape(b, n_kv, g, t, self.nope_dim), w_uk)
+        scores = torch.matmul(q_latent.reshape(b, 1, n_h * t, -1), c_k.transpose(-1, -2))
+        if self.rope_dim:
+            rope_scores = torch.matmul(q_rope.reshape(b, n_kv, g * t, self.rope_dim), k_rope.transpose(-1, -2))
+            scores = scores + rope_scores.reshape(b, 1, n_h * t, s)
+        scores = (scores * self.scaling).view(b, n_h, t, s)
+        scores = _apply_mask(scores, attention_mask)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
+
+        attended = torch.matmul(probs.view(b, 1, n_h * t, s), c_v)  # [B, 1, n_h*T, L_v]
+        w_uv = self.v_up_proj.weight.view(n_kv, self.head_dim, self.v_up_proj.in_features)
+        out = torch.einsum("bkgtl,kdl->bkgtd", attended.view(b, n_kv, g, t, -1), w_uv)
+        if self.v_up_proj.bias is not None:
+            out = out + self.v_up_proj.bias.view(1, n_kv, 1, 1, self.head_dim)
+        return out.reshape(b, n_h, t, self.head_dim).transpose(1, 2)
+
+
+def _apply_mask(scores: torch.Tensor, mask) -> torch.Tensor:
+    """Apply a transformers attention mask (None, boolean 'may attend', or additive float)."""
+    t, s = scores.shape[-2:]
+    if mask is None:
+        if t == 1:
+            return scores
+        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(diagonal=s - t)
+        return scores.masked_fill(~causal, float("-inf"))
+    if not isinstance(mask, torch.Tensor):
+        raise NotImplementedError(f"absorbed MLA attention does not support a {type(mask).__name__} mask")
+    mask = mask[..., :s]
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
+class MLADecoderLayer(GradientCheckpointingLayer):
+    """A Llama decoder layer with MLA attention; the forward is Llama's."""
+
+    def __init__(self, config: MLAConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = MLAAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    forward = LlamaDecoderLayer.forward
+
+
+class MLAPreTrainedModel(LlamaPreTrainedModel):
+    config: MLAConfig
+    config_class = MLAConfig
+    _no_split_modules = ["MLADecoderLayer"]
+    _supports_flex_attn = False
+    _can_record_outputs = {"hidden_states": MLADecoderLayer, "attentions": MLAAttention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, MLAAttention):  # a non-persistent buffer derived from the config
+            init.copy_(module.rope_index, module._rope_index(module.rope_index.device))
+
+
+class MLAModel(MLAPreTrainedModel, LlamaModel):
+    def __init__(self, config: MLAConfig):
+        MLAPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, *args, cache=None, use_cache=None, **kwargs):
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = LatentCache()  # never transformers' DynamicCache, which would not know k_rope may be empty
+        return LlamaModel.forward(self, *args, cache=cache, use_cache=use_cache, **kwargs)
+
+
+class MLAForCausalLM(MLAPreTrainedModel, LlamaForCausalLM):
+    def __init__(self, config: MLAConfig):
+        MLAPreTrainedModel.__init__(self, config)
+        self.model = MLAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def set_absorb(self, absorb: bool = True) -> "MLAForCausalLM":
+        """Switch between absorbed (latent-space) and expanded attention; returns self."""
+        self.config.absorb = bool(absorb)
+        return self
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            implementation = generation_config.cache_implementation
+            if implementation in (None, "dynamic"):
+                model_kwargs["cache"] = LatentCache()
+                return
+            if implementation == "quantized":
+                options = dict(generation_config.cache_config or {})
+                options.pop("config", None)
+                model_kwargs["cache"] = QuantizedLatentCache(self.config.num_hidden_layers, **options)
+                return
+            raise ValueError(
+                f"cache_implementation={implementation!r} is not supported by MLA models; "
+                "use None (latent cache) or 'quantized' (quantized latent cache)"
+            )
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)

@@ -1,0 +1,141 @@
+"""What a conversion is asked to do, and whether a model's shape allows it.
+
+Pure Python on purpose: the runner validates a composed config against a model's recorded
+shape facts with these functions before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ROPE_STRATEGIES = ("full", "none", "high", "low", "uniform", "2-norm")
+SVD_VARIANTS = ("joint", "split", "none")
+SCORES = ("product", "sum")
+SIGMA_PLACEMENTS = ("up", "sqrt")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape facts of a Llama-family model that a conversion depends on."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+        )
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """A validated conversion recipe (see METHOD.md). Build it with `MLASpec.create`."""
+
+    rope: str
+    r: int
+    svd: str
+    d_kv: int | None
+    score: str = "product"
+    sigma: str = "up"
+    extras: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        shape: ModelShape,
+        *,
+        rope: str,
+        r: int | None,
+        svd: str,
+        d_kv: int | None = None,
+        score: str = "product",
+        sigma: str = "up",
+    ) -> "MLASpec":
+        """Check every field against `shape`; raise ValueError naming the field on bad input."""
+        _check_choice("rope", rope, ROPE_STRATEGIES)
+        _check_choice("svd", svd, SVD_VARIANTS)
+        _check_choice("score", score, SCORES)
+        _check_choice("sigma", sigma, SIGMA_PLACEMENTS)
+        half = shape.head_dim // 2
+        if shape.head_dim % 2:
+            raise ValueError(f"head_dim={shape.head_dim} is odd; RoPE needs an even head dimension")
+        if shape.num_heads % shape.num_kv_heads:
+            raise ValueError(f"num_heads={shape.num_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
+
+        if rope == "full":
+            if r is not None and r != half:
+                raise ValueError(f"r={r} contradicts rope='full', which keeps all d_h/2={half} pairs")
+            r = half
+        elif rope == "none":
+            if r not in (None, 0):
+                raise ValueError(f"r={r} contradicts rope='none' (NoPE keeps no pair)")
+            r = 0
+        elif r is None:
+            raise ValueError(f"r is required for rope='{rope}'")
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ValueError(f"r must be an integer, got {r!r}")
+        if not 0 <= r <= half:
+            raise ValueError(f"r={r} is outside [0, d_h/2] = [0, {half}] for head_dim={shape.head_dim}")
+
+        if svd == "none":
+            if d_kv is not None:
+                raise ValueError(f"d_kv={d_kv} is given but svd='none' keeps full-rank keys and values")
+        else:
+            if d_kv is None:
+                raise ValueError(f"d_kv is required for svd='{svd}'")
+            if isinstance(d_kv, bool) or not isinstance(d_kv, int) or d_kv <= 0:
+                raise ValueError(f"d_kv must be a positive integer, got {d_kv!r}")
+            if svd == "split" and d_kv % 2:
+                raise ValueError(f"d_kv={d_kv} must be even for svd='split' (K and V get d_kv/2 each)")
+            limit = max_d_kv(shape, r, svd)
+            if d_kv > limit:
+                raise ValueError(
+                    f"d_kv={d_kv} is above the attainable rank for svd='{svd}' at r={r}: "
+                    f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
+                    f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
+                )
+        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("extras")
+        return out
+
+
+def max_d_kv(shape: ModelShape, r: int, svd: str) -> int:
+    """The largest per-KV-head latent width whose truncated SVD is still of full attainable rank."""
+    n_kv, d_h, d = shape.num_kv_heads, shape.head_dim, shape.hidden_size
+    nope_rows = n_kv * (d_h - 2 * r)
+    v_rows = n_kv * d_h
+    if svd == "joint":
+        return min(nope_rows + v_rows, d) // n_kv
+    if svd == "split":
+        return 2 * (min(nope_rows, v_rows, d) // n_kv)
+    raise ValueError(f"svd='{svd}' has no latent width")
+
+
+def kv_elements_per_token(shape: ModelShape, spec: MLASpec) -> int:
+    """Cached elements per token and layer: k_rope (n_kv*2r) plus the latent (n_kv*d_kv)."""
+    n_kv, d_h = shape.num_kv_heads, shape.head_dim
+    latent = n_kv * spec.d_kv if spec.svd != "none" else n_kv * (2 * d_h - 2 * spec.r)
+    return n_kv * 2 * spec.r + latent
+
+
+def kv_ratio(shape: ModelShape, spec: MLASpec) -> float:
+    """Cache size relative to the original MHA/GQA cache (2*n_kv*d_h per token and layer)."""
+    return kv_elements_per_token(shape, spec) / (2 * shape.num_kv_heads * shape.head_dim)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name}={value!r}; expected one of {', '.join(map(repr, choices))}")
