@@ -173,16 +173,19 @@ class MLAAttention(nn.Module):
 def _apply_mask(scores: torch.Tensor, mask) -> torch.Tensor:
     """Apply a transformers attention mask (None, boolean 'may attend', or additive float)."""
     t, s = scores.shape[-2:]
+    # the dtype's min, not -inf: a fully masked row (a padding query) must not turn into NaN,
+    # which would reach the cached latent of that position and poison every later 0 * NaN
+    masked = torch.finfo(scores.dtype).min
     if mask is None:
         if t == 1:
             return scores
         causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(diagonal=s - t)
-        return scores.masked_fill(~causal, float("-inf"))
+        return scores.masked_fill(~causal, masked)
     if not isinstance(mask, torch.Tensor):
         raise NotImplementedError(f"absorbed MLA attention does not support a {type(mask).__name__} mask")
     mask = mask[..., :s]
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
+        return scores.masked_fill(~mask, masked)
     return scores + mask
 
 
