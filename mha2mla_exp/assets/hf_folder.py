@@ -1,0 +1,92 @@
+"""Turn a GGUF model asset into a plain safetensors Hugging Face folder, once.
+
+Reading GGUF dequantises every tensor on each load (~25 s on 2 cores) and needs the `gguf`
+reader; a GGUF-loaded model also refuses `save_pretrained`. So the dequantised fp32 weights are
+copied into a fresh model built from the same config (minus its quantization_config), saved with
+the tokenizer, reloaded and checked against the GGUF model before the folder is published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, publish
+from .registry import Asset, get_asset
+
+log = logging.getLogger(__name__)
+
+CHECK_TEXT = "The State of the Union is strong, and the Congress has before it the business of the nation."
+
+
+def model_dir(name: str) -> Path:
+    """A Hugging Face folder (config.json, model.safetensors, tokenizer) for model asset `name`."""
+    asset = get_asset(name, kind="model")
+    final = cache_dir() / "models" / asset.slug
+    if _provenance_ok(final, asset):
+        return final
+    root = fetch_asset(name)
+    with asset_lock(asset, "model"):
+        if _provenance_ok(final, asset):
+            return final
+        gguf = root / asset.gguf
+        if not gguf.is_file():
+            raise AssetError(f"asset {name!r}: {asset.gguf} is missing from the extracted wheel at {root}")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+        try:
+            os.chmod(tmp, 0o755)
+            log.info("converting %s to a safetensors folder at %s (once)", gguf.name, final)
+            gguf_to_hf_folder(gguf, tmp)
+            meta = {"name": asset.name, "requirement": asset.requirement, "sha256": asset.sha256,
+                    "converted_from": asset.gguf, "license": asset.license,
+                    "note": "GGUF tensors dequantised to float32 by transformers; not the original bf16 weights"}
+            (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
+            publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def gguf_to_hf_folder(gguf: Path, out: Path, *, check: bool = True) -> None:
+    """Write `gguf` as a safetensors HF folder into `out`; with `check`, verify the reload matches."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain fp32, not GGUF
+    dst = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dst.load_state_dict(src.state_dict(), strict=True)
+    dst.save_pretrained(out, safe_serialization=True)
+    # GGUF leaves the length unset (1e30); the hub tokenizers record the context length
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    if check:
+        _check_roundtrip(src, tokenizer, out)
+
+
+def _check_roundtrip(src, tokenizer, out: Path) -> None:
+    """The saved folder must give the GGUF model's tokens and logits exactly (same fp32 weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok2 = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(CHECK_TEXT, return_tensors="pt").input_ids
+    ids2 = tok2(CHECK_TEXT, return_tensors="pt").input_ids
+    if not torch.equal(ids, ids2) or tok2.eos_token_id != tokenizer.eos_token_id:
+        raise AssetError(f"the tokenizer saved to {out} does not reproduce the GGUF tokenizer")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        a = src.eval()(ids).logits
+        b = reloaded.eval()(ids).logits
+    diff = (a - b).abs().max().item()
+    if diff > 1e-5:
+        raise AssetError(f"the safetensors folder at {out} changes the logits (max abs diff {diff:.3g})")
+    log.info("safetensors folder verified against the GGUF model (max abs logit diff %.3g)", diff)
