@@ -1,0 +1,79 @@
+"""From run directories (and optionally a W&B project) to the tables, plots and runs.csv on disk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from . import plots
+from .records import canonical_runs, load_runs, training_curves, variant_label
+from .render import write_table
+from .tables import TABLES, build_tables
+
+
+def results_root() -> Path:
+    """Where runs live: $MHA2MLA_RESULTS (the runner's setting) or ./results."""
+    return Path(os.environ.get("MHA2MLA_RESULTS", "results"))
+
+
+@dataclass
+class Aggregate:
+    records: pd.DataFrame            # one row per run, every results.json/config.yaml field flattened
+    runs: pd.DataFrame               # one row per run, in the tables' terms (scores in points)
+    tables: dict[str, pd.DataFrame]  # "table1", "table2", "table3", "table5"
+    curves: pd.DataFrame             # training loss per logged step, per run
+
+    @property
+    def n_ok(self) -> int:
+        return int((self.runs["status"] == "ok").sum()) if len(self.runs) else 0
+
+    def figures(self, models: list[str] | None = None) -> dict[str, Figure]:
+        """The four plots; `models` restricts the per-model ones to those paper model names."""
+        return {
+            "kv_memory_vs_avg": plots.kv_memory_vs_avg(self.tables["table1"], models),
+            "strategy_comparison": plots.strategy_comparison(self.tables["table3"], models),
+            "loss_curves": plots.loss_curves(self.curves),
+            "long_context_vs_length": plots.long_context_vs_length(self.runs),
+        }
+
+
+def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project: str | None = None,
+                    wandb_api=None) -> Aggregate:
+    """Read every run record under `run_dirs` (default: <results root>/runs), plus a W&B project's runs
+    when given, and build the tables. With no runs the tables hold the paper's numbers only."""
+    paths = list(run_dirs) if run_dirs else [results_root() / "runs"]
+    frames = [load_runs(paths)]
+    if wandb_project:
+        from .wandb_source import load_wandb_runs  # W&B only when asked for
+
+        frames.append(load_wandb_runs(wandb_project, api=wandb_api))
+    frames = [f for f in frames if len(f)]
+    records = pd.concat(frames, ignore_index=True) if frames else load_runs([])
+    runs = canonical_runs(records)
+    if len(runs):
+        runs.insert(0, "label", runs.apply(variant_label, axis=1))
+    else:
+        runs.insert(0, "label", pd.Series(dtype=object))
+    return Aggregate(records=records, runs=runs, tables=build_tables(runs), curves=training_curves(runs))
+
+
+def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
+    """tables/<table>.{csv,md,tex}, plots/<plot>.{png,pdf} and runs.csv under `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, table in aggregate.tables.items():
+        spec = TABLES[name]
+        note = spec.note if aggregate.n_ok else spec.note + " No run records were found: the *_ours columns are empty."
+        written += write_table(table, out_dir / "tables", name, spec.title, note)
+    for name, figure in aggregate.figures().items():
+        written += plots.save_figure(figure, out_dir / "plots", name)
+    runs_csv = out_dir / "runs.csv"
+    # every run, also those left out of the tables (status != ok), so failures stay visible
+    aggregate.runs.assign(in_tables=aggregate.runs["status"] == "ok").to_csv(runs_csv, index=False)
+    return written + [runs_csv]

@@ -1,0 +1,180 @@
+"""The paper's comparisons as matplotlib figures. Each function returns its Figure (no pyplot state),
+so callers can test the axes and series or save them with `save_figure`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from .records import variant_label
+
+AVG_LABEL = "Avg commonsense score (points)"
+_LONG_CONTEXT_KEY = re.compile(r"^long_context\.(?P<task>.+)@(?P<length>\d+)$")
+
+
+def save_figure(figure: Figure, out_dir: Path, name: str) -> list[Path]:
+    """`name`.png and `name`.pdf under `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    for path in paths:
+        figure.savefig(path, dpi=150, bbox_inches="tight")
+    return paths
+
+
+def _ours_name(ours_model, model) -> str:
+    return f"ours: {ours_model}" if ours_model == model else f"ours: {ours_model} ({model})"
+
+
+def _empty_note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> Figure:
+    """Avg against KV memory (% of MHA) per model: Table 1's fine-tuned baseline and MLA rows, ours solid,
+    the paper's dashed. The baseline sits at 100% by definition (it caches full K/V); an MLA row whose
+    memory was not measured is left out rather than placed by formula."""
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.add_subplot()
+    rows = table1[table1["method"].isin(["finetuned_full_attention", "partial_rope+svd"])]
+    if models is not None:
+        rows = rows[rows["model"].isin(models)]
+    colors = {}
+    for model in rows["model"].dropna().unique():
+        color = colors.setdefault(model, f"C{len(colors)}")
+        in_model = rows[rows["model"] == model]
+        # a paper row repeats once per of our models matched to it
+        points = _memory_points(in_model.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"]), "paper")
+        if len(points):
+            ax.plot(points["x"], points["y"], marker="o", mfc="none", ls="--", color=color, label=f"paper: {model}")
+        for ours_model, group in in_model.dropna(subset=["ours_model"]).groupby("ours_model", sort=False):
+            points = _memory_points(group, "ours")
+            if len(points):
+                ax.plot(points["x"], points["y"], marker="s", color=color, label=_ours_name(ours_model, model))
+    ax.set_xlabel("KV cache memory (% of MHA)")
+    ax.set_ylabel(AVG_LABEL)
+    ax.set_title("Compression vs performance (Table 1)")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        _empty_note(ax, "no Table 1 rows with both memory and Avg")
+    ax.grid(alpha=0.3)
+    return figure
+
+
+def _memory_points(rows: pd.DataFrame, source: str) -> pd.DataFrame:
+    memory = rows[f"kv_mem_change_pct_{source}"].astype(float)
+    memory = memory.where(~(memory.isna() & (rows["method"] == "finetuned_full_attention")), 0.0)
+    points = pd.DataFrame({"x": 100.0 + memory, "y": rows[f"avg_{source}"].astype(float)}).dropna()
+    return points.sort_values("x")
+
+
+def _strategy_name(row) -> str:
+    if row["method"] == "partial_rope":
+        return str(row["rope"])
+    return f"{row['rope']}+SVD {row['svd']}"
+
+
+def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -> Figure:
+    """Table 3 as bars: Avg per partial-RoPE strategy (with and without SVD), ours beside the paper's, one
+    panel per model; horizontal lines mark each side's fine-tuned full-attention Avg."""
+    rows = table3 if models is None else table3[table3["model"].isin(models)]
+    strategies = rows[rows["method"].isin(["partial_rope", "partial_rope+svd"])]
+    model_names = list(strategies["model"].dropna().unique())
+    figure = Figure(figsize=(max(6, 5 * len(model_names)), 4.5))
+    if not model_names:
+        _empty_note(figure.add_subplot(), "no Table 3 rows")
+        return figure
+    axes = figure.subplots(1, len(model_names), squeeze=False)[0]
+    for ax, model in zip(axes, model_names):
+        in_model = strategies[strategies["model"] == model].assign(strategy=lambda f: f.apply(_strategy_name, axis=1))
+        categories = list(dict.fromkeys(in_model["strategy"]))
+        series = {"paper": in_model.groupby("strategy", sort=False)["avg_paper"].first()}
+        for ours_model, group in in_model.dropna(subset=["ours_model"]).groupby("ours_model", sort=False):
+            series[_ours_name(ours_model, model)] = group.groupby("strategy", sort=False)["avg_ours"].mean()
+        width = 0.8 / len(series)
+        x = np.arange(len(categories))
+        for i, (label, values) in enumerate(series.items()):
+            heights = values.reindex(categories).astype(float).to_numpy()
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=label,
+                   color="lightgrey" if label == "paper" else f"C{i - 1}", edgecolor="black", linewidth=0.5)
+        baselines = rows[(rows["model"] == model) & (rows["method"] == "finetuned_full_attention")]
+        for source, style in (("paper", "--"), ("ours", "-")):
+            values = baselines[f"avg_{source}"].dropna().unique()
+            if len(values) == 1:
+                ax.axhline(values[0], color="black", ls=style, lw=1, label=f"{source}: FT full attention")
+        heights = pd.concat([in_model["avg_paper"], in_model["avg_ours"], baselines["avg_paper"],
+                             baselines["avg_ours"]]).astype(float).dropna()
+        if len(heights):
+            ax.set_ylim(heights.min() - 3, heights.max() + 2)   # the differences are a few points
+        ax.set_xticks(x, categories, rotation=30, ha="right")
+        ax.set_xlabel("partial-RoPE strategy")
+        ax.set_ylabel(AVG_LABEL)
+        ax.set_title(f"{model} (Table 3)")
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def loss_curves(curves: pd.DataFrame) -> Figure:
+    """Training loss per variant: runs of one configuration (seeds) averaged per step; runs that did not
+    finish ok are drawn dashed, one by one, with their status in the label."""
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.add_subplot()
+    by_tokens = len(curves) > 0 and curves["tokens"].notna().all()
+    x_column = "tokens" if by_tokens else "step"
+    ok = curves[curves["status"] == "ok"]
+    for label, group in ok.groupby("label", sort=True):
+        mean = group.groupby(x_column)["loss"].mean()
+        n = group["run_dir"].nunique()
+        ax.plot(mean.index, mean.to_numpy(), label=label if n == 1 else f"{label} (mean of {n})")
+    for (run_dir, label, status), group in curves[curves["status"] != "ok"].groupby(
+            ["run_dir", "label", "status"], sort=True):
+        ax.plot(group[x_column], group["loss"], ls="--", label=f"{label} [{status}]")
+    ax.set_xlabel("fine-tuning tokens" if by_tokens else "step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Fine-tuning loss per variant")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        _empty_note(ax, "no training curves")
+    ax.grid(alpha=0.3)
+    return figure
+
+
+def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """The `long_context.<task>@<length>` scores of ok runs as label/task/length/score rows."""
+    rows = []
+    ok = runs[runs["status"] == "ok"] if len(runs) else runs
+    for column in runs.columns:
+        match = _LONG_CONTEXT_KEY.match(str(column))
+        if not match:
+            continue
+        for _, run in ok[ok[column].notna()].iterrows():
+            rows.append({"label": variant_label(run), "task": match["task"], "length": int(match["length"]),
+                         "score": float(run[column])})
+    return pd.DataFrame(rows, columns=["label", "task", "length", "score"])
+
+
+def long_context_vs_length(runs: pd.DataFrame) -> Figure:
+    """Long-context score against context length, one line per variant (and task, when several)."""
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.add_subplot()
+    points = long_context_points(runs)
+    several_tasks = points["task"].nunique() > 1
+    for (label, task), group in points.groupby(["label", "task"], sort=True):
+        mean = group.groupby("length")["score"].mean()
+        ax.plot(mean.index, mean.to_numpy(), marker="o", label=f"{label} · {task}" if several_tasks else label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("long-context score (%)")
+    ax.set_title("Long-context score vs context length")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        _empty_note(ax, "no long-context results")
+    ax.grid(alpha=0.3)
+    return figure

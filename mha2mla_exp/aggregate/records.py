@@ -1,0 +1,235 @@
+"""Read run directories (docs/RUN_RECORD.md) into pandas, and put each run into the tables' common terms.
+
+Two frames come out of here:
+- the *flat* frame: one row per run, every results.json field flattened to dotted columns
+  (`eval.commonsense.avg`, `mla.rope`, ...), the run's config.yaml under `config.*`, and `run_dir`;
+- the *canonical* frame (`canonical_runs`): the few fields the tables compare on, with scores in
+  percentage points like the paper (results.json holds fractions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+LONGBENCH = (
+    "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
+    "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+)
+METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
+
+# Head dims of the paper's models (METHOD.md, "Model shapes"): turns the paper's "r = d_h/16" into a number
+# and tells which of our runs follow the paper's default recipe when a run's config does not say.
+PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
+
+# Columns that identify one configuration: runs that agree on all of them (e.g. seeds) are averaged.
+CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "score", "sigma", "precision",
+               "train_tokens")
+
+
+def flatten(value, prefix: str = "") -> dict:
+    """Nested dicts -> one dict with dotted keys; a null sub-record stays one None cell under its own key."""
+    if isinstance(value, dict):
+        out = {}
+        for key, sub in value.items():
+            out.update(flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def find_results(paths: Iterable[str | Path]) -> list[Path]:
+    """Every results.json under `paths` (a path may also be a results.json itself), each once, sorted."""
+    found: set[Path] = set()
+    for path in map(Path, paths):
+        if path.is_file() and path.name == "results.json":
+            found.add(path.resolve())
+        elif path.is_dir():
+            found.update(p.resolve() for p in path.rglob("results.json"))
+    return sorted(found)
+
+
+def read_run(results_path: Path) -> dict:
+    """One run directory -> one flat record. An unreadable record becomes a row with status `unreadable`."""
+    run_dir = results_path.parent
+    record: dict = {"run_dir": str(run_dir)}
+    try:
+        record.update(flatten(json.loads(results_path.read_text())))
+    except (OSError, ValueError) as err:
+        record.update(run_name=run_dir.name, status="unreadable", error=f"results.json: {err}")
+    config_path = run_dir / "config.yaml"
+    if config_path.is_file():
+        try:
+            record.update(flatten(yaml.safe_load(config_path.read_text()) or {}, "config"))
+        except (OSError, yaml.YAMLError) as err:
+            record["config_error"] = str(err)
+    return record
+
+
+def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
+    """The flat frame of every run record found under `paths` (empty frame, with `run_dir`, when none)."""
+    records = [read_run(p) for p in find_results(paths)]
+    return pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=["run_dir", "status"])
+
+
+def read_curve(run_dir: str | Path) -> pd.DataFrame:
+    """The training curve of one run from metrics.jsonl: rows that carry a loss, as step/tokens/loss."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash must not hide the rest of the curve
+            if isinstance(row, dict) and row.get("loss") is not None:
+                rows.append({"step": row.get("step"), "tokens": row.get("tokens"), "loss": row["loss"]})
+    return pd.DataFrame(rows, columns=["step", "tokens", "loss"])
+
+
+def training_curves(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run's metrics.jsonl loss curve, tagged with the run's variant label and status."""
+    frames = []
+    for _, run in runs.iterrows():
+        if not run.get("run_dir"):
+            continue
+        curve = read_curve(run["run_dir"])
+        if len(curve):
+            frames.append(curve.assign(run_dir=run["run_dir"], label=variant_label(run), status=run["status"]))
+    columns = ["run_dir", "label", "status", "step", "tokens", "loss"]
+    return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
+
+
+def _get(record: dict, *keys, default=None):
+    """The first present, non-missing value among `keys` (results.json first, then config.yaml)."""
+    for key in keys:
+        value = record.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            return value
+    return default
+
+
+def _as_int(value):
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _points(value):
+    """A score fraction as percentage points; None stays None."""
+    try:
+        return None if value is None else 100.0 * float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def precision_label(backend, nbits) -> str:
+    """The paper's Table 2 name for a KV-cache precision. "BF16" is its name for an unquantized cache."""
+    if backend is None and nbits is None:
+        return "BF16"
+    names = {"hqq": "HQQ", "quanto": "Quanto"}
+    return f"Int{_as_int(nbits) if nbits is not None else '?'} {names.get(str(backend).lower(), backend)}"
+
+
+def method_of(variant, rope, svd, trained: bool) -> str:
+    """The paper's row kind, from what was done to the model rather than the runner's variant label."""
+    if rope is None:
+        return variant if variant in ("original", "finetuned_full_attention") else str(variant)
+    if svd in (None, "none"):
+        if rope == "full":  # every pair keeps RoPE and nothing is low-rank: the unconverted model
+            return "finetuned_full_attention" if trained else "original"
+        return "partial_rope"
+    return "partial_rope+svd"
+
+
+def canonical_run(record: dict) -> dict:
+    """One flat record -> the fields the tables and plots compare on (scores in points)."""
+    model_name = _get(record, "model.name", "config.model.name")
+    paper_model = _get(record, "config.model.paper_name", "model.paper_name", default=model_name)
+    rope = _get(record, "mla.rope")
+    svd = _get(record, "mla.svd")
+    train_tokens = _get(record, "train.tokens")
+    method = method_of(_get(record, "variant"), rope, svd, trained=bool(train_tokens))
+    full_model = method in ("original", "finetuned_full_attention")
+    head_dim = _as_int(_get(record, "config.model.shape.head_dim", "config.model.head_dim", "model.head_dim",
+                            default=PAPER_HEAD_DIM.get(paper_model)))
+    row = {
+        "run_dir": record.get("run_dir"),
+        "experiment": _get(record, "experiment"),
+        "run_name": _get(record, "run_name"),
+        "status": _get(record, "status", default="unknown"),
+        "error": _get(record, "error"),
+        "model": paper_model,
+        "ours_model": model_name,
+        "head_dim": head_dim,
+        "method": method,
+        # the unconverted model has no partial-RoPE/low-rank settings: keep those cells empty for it
+        "rope": "full" if full_model else rope,
+        "r": None if full_model else _as_int(_get(record, "mla.r")),
+        "svd": "none" if full_model else svd,
+        "d_kv": None if full_model else _as_int(_get(record, "mla.d_kv")),
+        "score": None if full_model else _get(record, "mla.score"),
+        "sigma": None if full_model else _get(record, "mla.sigma"),
+        "precision": precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits")),
+        "train_tokens": _as_int(train_tokens),
+        "kv_mem_change_pct": _get(record, "kv.mem_change_pct"),
+        "eval_limit": _get(record, "eval.commonsense.limit"),
+    }
+    for task in COMMONSENSE:
+        row[task] = _points(_get(record, f"eval.commonsense.{task}"))
+    if row["arc"] is None:  # the paper's ARC is the mean of Easy and Challenge
+        easy, challenge = (_get(record, f"eval.commonsense.arc_{p}") for p in ("easy", "challenge"))
+        if easy is not None and challenge is not None:
+            row["arc"] = _points((float(easy) + float(challenge)) / 2)
+    row["avg"] = _points(_get(record, "eval.commonsense.avg"))
+    for key, value in record.items():
+        for section in ("longbench", "long_context"):
+            if key.startswith(f"eval.{section}.") and key != f"eval.{section}.limit":
+                row[f"{section}.{key.split('.', 2)[2]}"] = _points(value)
+    for task in LONGBENCH + ("avg",):
+        row.setdefault(f"longbench.{task}", None)
+    row.setdefault("long_context.avg", None)
+    return row
+
+
+def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
+    """The canonical frame of a flat frame, one row per run, in the same order."""
+    rows = [canonical_run({k: v for k, v in rec.items()}) for rec in flat.to_dict("records")]
+    frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=list(canonical_run({}).keys()))
+    for column in ("r", "d_kv", "train_tokens", "head_dim"):
+        frame[column] = pd.array(frame[column], dtype="Int64")
+    return frame
+
+
+def variant_label(row) -> str:
+    """A short human name for a configuration, used as a plot series label."""
+    method = row["method"]
+    if method == "original":
+        text = "original"
+    elif method == "finetuned_full_attention":
+        text = "FT full attention"
+    elif method == "partial_rope":
+        text = f"partial RoPE {row['rope']} r={_fmt(row['r'])}"
+    elif method == "partial_rope+svd":
+        text = f"MLA {row['rope']} r={_fmt(row['r'])} {row['svd']} d_kv={_fmt(row['d_kv'])}"
+    else:
+        text = str(method)
+    if row.get("score") not in (None, "product") and not pd.isna(row.get("score")):
+        text += f" score={row['score']}"
+    if row.get("sigma") not in (None, "up") and not pd.isna(row.get("sigma")):
+        text += f" sigma={row['sigma']}"
+    if row.get("precision") not in (None, "BF16"):
+        text += f" {row['precision']}"
+    return f"{row['ours_model']}: {text}"
+
+
+def _fmt(value) -> str:
+    return "?" if value is None or pd.isna(value) else str(value)
