@@ -1,0 +1,6 @@
+"""The experiment runner: compose -> validate -> load -> calibrate -> convert -> fine-tune -> evaluate -> record."""
+
+from .config import ConfigError, RunPlan, validate
+from .run import run, run_dir_for
+
+__all__ = ["ConfigError", "RunPlan", "validate", "run", "run_dir_for"]

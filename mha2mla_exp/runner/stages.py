@@ -1,0 +1,91 @@
+"""The runner's stages as plain functions: load -> data -> calibrate -> convert -> measure -> evaluate.
+
+Each takes the composed config (and what the previous stage returned), so tests can call them one
+by one. Fine-tuning lives in `mha2mla_exp.train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..mla import convert_to_mla
+from .config import RunPlan
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(cfg: DictConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def load(cfg: DictConfig, device: torch.device):
+    """(model, tokenizer) from a hub id, a local folder or an offline asset."""
+    from ..models import load_model
+
+    return load_model(cfg.model, device=device)
+
+
+def prepare_data(cfg: DictConfig, tokenizer):
+    """Tokenized, packed train / held-out splits (split by document: never train on held-out text)."""
+    from ..data import prepare_data as prepare
+
+    return prepare(cfg.data, tokenizer)
+
+
+def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
+    """2-norm calibration samples, drawn from the training split; None when not needed."""
+    if plan.spec is None or plan.spec.rope != "2-norm":
+        return None
+    from ..data import calibration_batches as sample
+
+    c = cfg.calibration
+    return list(sample(data, n=c.num_sequences, seq_len=c.seq_len, batch_size=c.batch_size))
+
+
+def convert(plan: RunPlan, model, calibration):
+    """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows."""
+    if plan.spec is None:
+        return model
+    s = plan.spec
+    return convert_to_mla(model, rope=s.rope, r=s.r, svd=s.svd, d_kv=s.d_kv, score=s.score, sigma=s.sigma,
+                          calibration=calibration)
+
+
+@torch.no_grad()
+def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
+    """Bytes per token actually held by the model's cache (latent or K/V, quantized or not) after a
+    prefill of `kv_measure_tokens` held-out tokens, next to the nominal ratio."""
+    from ..evaluation.kv import CacheMeter, KVQuant, kv_record, new_cache
+
+    kv_quant = KVQuant.from_cfg(plan.kv_quant)
+    tokens = data.held_out.reshape(-1)[: cfg.kv_measure_tokens].unsqueeze(0).to(model.device)
+    cache, meter = new_cache(model, kv_quant), CacheMeter()
+    model(input_ids=tokens, cache=cache, use_cache=True)
+    meter.record(cache, batch_size=1)
+    record = kv_record(model, kv_quant, meter)
+    record["measured_at_tokens"] = tokens.shape[1]
+    return record
+
+
+def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data) -> dict:
+    """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables."""
+    from ..evaluation import run_evaluation
+
+    started = time.perf_counter()
+    model.eval()
+    result = run_evaluation(
+        model, tokenizer, OmegaConf.to_container(cfg.eval, resolve=True),
+        held_out=data.held_out, kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
+    )
+    log.info("evaluation took %.1f s", time.perf_counter() - started)
+    return result
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
