@@ -177,6 +177,8 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame) -> pd.
         values = pd.to_numeric(table[column], errors="coerce").astype(float)
         if (values.dropna() % 1 == 0).all():
             table[column] = pd.array(values.round(), dtype="Int64")
+        else:
+            table[column] = values.round(2)
     return table
 
 
