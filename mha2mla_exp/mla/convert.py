@@ -10,7 +10,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .configuration import MLAConfig
-from .lowrank import low_rank_factors
+from .lowrank import collect_input_grams, low_rank_factors
 from .modeling import MLAForCausalLM
 from .rope_selection import rope_dims, select_rope_pairs
 from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape
@@ -59,22 +59,29 @@ def convert_to_mla(
     d_kv: int | None = None,
     score: str = "product",
     sigma: str = "up",
+    init: str = "weight",
     calibration: Iterable | None = None,
 ) -> MLAForCausalLM:
     """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md.
 
     rope: full | none | high | low | uniform | 2-norm, keeping `r` frequency pairs per KV head.
-    svd: joint | split | none, with latent width `d_kv` per KV head. `calibration` is an iterable
-    of input_ids batches, required by 2-norm. The original model is left untouched: the
-    converted one owns copies of every weight.
+    svd: joint | split | none, with latent width `d_kv` per KV head; `init`: 'weight' (plain SVD of
+    the weights, the paper) or 'activation' (minimise the K/V output error on the calibration
+    inputs). `calibration` is an iterable of input_ids batches, required by 2-norm and by
+    init='activation'. The original model is left untouched: the converted one owns copies of
+    every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
-    spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma)
-    if spec.rope == "2-norm" and calibration is None:
-        raise ValueError("rope='2-norm' needs calibration data (an iterable of input_ids batches)")
+    spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init)
+    for needs, what in ((spec.rope == "2-norm", "rope='2-norm'"), (spec.init == "activation", "init='activation'")):
+        if needs and calibration is None:
+            raise ValueError(f"{what} needs calibration data (an iterable of input_ids batches)")
+    if calibration is not None and spec.rope == "2-norm" and spec.init == "activation":
+        calibration = list(calibration)  # read twice
 
     pairs = select_rope_pairs(spec, shape, model=model, calibration=calibration)
+    grams = collect_input_grams(model, calibration) if spec.init == "activation" else [None] * shape.num_layers
     config = build_mla_config(model, spec, pairs)
     state = {
         name: tensor.detach().clone()
@@ -82,7 +89,7 @@ def convert_to_mla(
         if ".self_attn." not in name
     }
     for i, layer in enumerate(model.model.layers):
-        weights = convert_attention_weights(layer.self_attn, pairs[i], spec, shape)
+        weights = convert_attention_weights(layer.self_attn, pairs[i], spec, shape, gram=grams[i])
         state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
 
     with torch.device("meta"):
@@ -124,8 +131,11 @@ def build_mla_config(model: nn.Module, spec: MLASpec, pairs) -> MLAConfig:
 
 
 @torch.no_grad()
-def convert_attention_weights(attn: nn.Module, pairs, spec: MLASpec, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """The MLA attention weights of one layer, keyed by MLAAttention's parameter names."""
+def convert_attention_weights(
+    attn: nn.Module, pairs, spec: MLASpec, shape: ModelShape, gram: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The MLA attention weights of one layer, keyed by MLAAttention's parameter names. `gram` (X^T X of
+    the layer's inputs) switches the SVD to the activation-aware one."""
     n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
     group = n_h // n_kv
     rope_index, nope_index = split_dims(pairs, d_h)
@@ -155,11 +165,11 @@ def convert_attention_weights(attn: nn.Module, pairs, spec: MLASpec, shape: Mode
     else:
         latent = n_kv * spec.d_kv
         if spec.svd == "joint":
-            down, up = low_rank_factors(torch.cat([k_nope_w, v_w]), latent, spec.sigma)
+            down, up = low_rank_factors(torch.cat([k_nope_w, v_w]), latent, spec.sigma, gram)
             k_up, v_up = up[: k_nope_w.shape[0]], up[k_nope_w.shape[0]:]
         else:
-            k_down, k_up = low_rank_factors(k_nope_w, latent // 2, spec.sigma)
-            v_down, v_up = low_rank_factors(v_w, latent // 2, spec.sigma)
+            k_down, k_up = low_rank_factors(k_nope_w, latent // 2, spec.sigma, gram)
+            v_down, v_up = low_rank_factors(v_w, latent // 2, spec.sigma, gram)
             down = torch.cat([k_down, v_down])
         out["kv_down_proj.weight"] = down
         out["k_up_proj.weight"], out["v_up_proj.weight"] = k_up, v_up

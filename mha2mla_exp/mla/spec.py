@@ -6,12 +6,13 @@ shape facts with these functions before any weight is loaded.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 ROPE_STRATEGIES = ("full", "none", "high", "low", "uniform", "2-norm")
 SVD_VARIANTS = ("joint", "split", "none")
 SCORES = ("product", "sum")
 SIGMA_PLACEMENTS = ("up", "sqrt")
+LOWRANK_INITS = ("weight", "activation")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -47,7 +48,7 @@ class MLASpec:
     d_kv: int | None
     score: str = "product"
     sigma: str = "up"
-    extras: dict = field(default_factory=dict)
+    init: str = "weight"
 
     @classmethod
     def create(
@@ -60,12 +61,14 @@ class MLASpec:
         d_kv: int | None = None,
         score: str = "product",
         sigma: str = "up",
+        init: str = "weight",
     ) -> "MLASpec":
         """Check every field against `shape`; raise ValueError naming the field on bad input."""
         _check_choice("rope", rope, ROPE_STRATEGIES)
         _check_choice("svd", svd, SVD_VARIANTS)
         _check_choice("score", score, SCORES)
         _check_choice("sigma", sigma, SIGMA_PLACEMENTS)
+        _check_choice("init", init, LOWRANK_INITS)
         half = shape.head_dim // 2
         if shape.head_dim % 2:
             raise ValueError(f"head_dim={shape.head_dim} is odd; RoPE needs an even head dimension")
@@ -90,6 +93,8 @@ class MLASpec:
         if svd == "none":
             if d_kv is not None:
                 raise ValueError(f"d_kv={d_kv} is given but svd='none' keeps full-rank keys and values")
+            if init != "weight":
+                raise ValueError(f"init={init!r} has nothing to initialise: svd='none' keeps full-rank keys and values")
         else:
             if d_kv is None:
                 raise ValueError(f"d_kv is required for svd='{svd}'")
@@ -104,12 +109,10 @@ class MLASpec:
                     f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
-        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma)
+        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("extras")
-        return out
+        return asdict(self)
 
 
 def max_d_kv(shape: ModelShape, r: int, svd: str) -> int:

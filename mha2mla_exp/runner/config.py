@@ -62,7 +62,7 @@ def validate(cfg: DictConfig) -> RunPlan:
         try:
             spec = MLASpec.create(
                 shape, rope=cfg.rope.strategy, r=r, svd=cfg.svd.method, d_kv=cfg.svd.d_kv,
-                score=cfg.rope.score, sigma=cfg.svd.sigma,
+                score=cfg.rope.score, sigma=cfg.svd.sigma, init=cfg.svd.get("init", "weight"),
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -99,6 +99,7 @@ def _check_model_source(model_cfg: DictConfig) -> None:
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
+                "init": "svd.init",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
 
 
@@ -121,7 +122,10 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
         if s.rope == "2-norm" and s.score != "product":
             rope += f"-{s.score}"
         parts.append(rope)
-        parts.append("nosvd" if s.svd == "none" else f"{s.svd}-dkv{s.d_kv}" + ("-sqrt" if s.sigma == "sqrt" else ""))
+        svd = "nosvd" if s.svd == "none" else f"{s.svd}-dkv{s.d_kv}"
+        svd += "-sqrt" if s.sigma == "sqrt" else ""
+        svd += "-act" if s.init == "activation" else ""
+        parts.append(svd)
     if plan.kv_quant:
         parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}")
     if plan.fine_tune:

@@ -39,8 +39,9 @@ def prepare_data(cfg: DictConfig, tokenizer):
 
 
 def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
-    """2-norm calibration samples, drawn from the training split; None when not needed."""
-    if plan.spec is None or plan.spec.rope != "2-norm":
+    """Calibration samples for 2-norm and activation-aware SVD, drawn from the training split;
+    None when neither needs them."""
+    if plan.spec is None or (plan.spec.rope != "2-norm" and plan.spec.init != "activation"):
         return None
     from ..data import calibration_batches as sample
 
@@ -54,7 +55,7 @@ def convert(plan: RunPlan, model, calibration):
         return model
     s = plan.spec
     return convert_to_mla(model, rope=s.rope, r=s.r, svd=s.svd, d_kv=s.d_kv, score=s.score, sigma=s.sigma,
-                          calibration=calibration)
+                          init=s.init, calibration=calibration)
 
 
 @torch.no_grad()

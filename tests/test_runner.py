@@ -1,0 +1,98 @@
+"""The runner end to end on a tiny model: sweep, skip on relaunch, resume after a crash, divergence."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mha2mla_exp.runner import run, run_dir_for, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke_cfg(tmp_path, cell: str, *extra: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            "+experiment=smoke", f"+cells/smoke={cell}", f"results_dir={tmp_path}", *extra,
+        ])
+
+
+def launch(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "mha2mla_exp", *overrides, f"results_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def test_smoke_experiment_runs_records_and_skips_on_relaunch(tmp_path):
+    first = launch(tmp_path, "+experiment=smoke")
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = sorted((tmp_path / "smoke").glob("*/results.json"))
+    assert len(records) == 3, first.stdout[-2000:]
+    results = {p.parent.name: json.loads(p.read_text()) for p in records}
+    for name, r in results.items():
+        assert r["status"] == "ok", (name, r["error"])
+        assert (tmp_path / "smoke" / name / "config.yaml").exists()
+        assert r["kv"]["bytes_per_token_measured"] > 0
+        assert r["eval"]["perplexity"]["heldout"] > 1
+    variants = {r["variant"] for r in results.values()}
+    assert variants == {"original", "partial_rope", "partial_rope+svd"}
+    mla = next(r for r in results.values() if r["variant"] == "partial_rope+svd")
+    assert mla["kv"]["ratio_measured"] == pytest.approx(mla["kv"]["ratio_nominal"])
+    assert mla["train"]["steps"] > 0 and mla["train"]["tokens"] == mla["train"]["steps"] * 32 * 4 * 2
+    curve = [json.loads(line) for line in (records[0].parent / "metrics.jsonl").read_text().splitlines()] \
+        if (records[0].parent / "metrics.jsonl").exists() else []
+    assert all(a["step"] < b["step"] for a, b in zip(curve, curve[1:]))
+
+    stamps = {p: p.stat().st_mtime_ns for p in records}
+    second = launch(tmp_path, "+experiment=smoke")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("already done (ok)") == 3
+    assert {p: p.stat().st_mtime_ns for p in records} == stamps
+
+
+def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
+    extra = ("train.checkpoint_every=2", "train.tokens=4096", "train.log_every=1")
+    reference = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra))
+    assert reference["status"] == "ok"
+
+    cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cfg, fail_at_step=5)
+    run_dir = run_dir_for(cfg, validate(cfg))
+    crashed = json.loads((run_dir / "results.json").read_text())
+    assert crashed["status"] == "failed"
+    assert json.loads((run_dir / "checkpoint" / "progress.json").read_text())["step"] == 4
+
+    resumed = run(cfg)
+    assert resumed["status"] == "ok" and resumed["resumed"] is True
+    assert resumed["train"]["steps"] == reference["train"]["steps"]
+    assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-5)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, reference["train"]["steps"] + 1))  # no duplicates from the crashed attempt
+    assert not (run_dir / "checkpoint").exists()
+
+
+def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
+    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "train.lr=5.0", "train.warmup_steps=0",
+                    "train.divergence_factor=1.05", "train.tokens=8192")
+    record = run(cfg)
+    assert record["status"] == "diverged"
+    assert "diverged at step" in record["error"]
+    again = run(cfg)  # a diverged run is a result: not rerun
+    assert again["status"] == "diverged"
+
+
+def test_invalid_config_exits_before_loading(tmp_path):
+    result = launch(tmp_path, "+experiment=smoke", "hydra.mode=RUN", "+cells/smoke=mla_2-norm_joint",
+                    "svd.d_kv=999")
+    assert result.returncode != 0
+    assert "svd.d_kv" in result.stderr + result.stdout
+    assert not list(tmp_path.glob("smoke/*/results.json"))
