@@ -53,6 +53,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     except Exception as err:  # missing keys, None, wrong types
         raise ConfigError(f"model.shape: incomplete shape facts for model {cfg.model.get('name')!r}: {err}") from err
     _check_model_source(cfg.model)
+    _check_data_source(cfg.data)
 
     spec = None
     if cfg.variant == "mla":
@@ -86,6 +87,16 @@ def validate(cfg: DictConfig) -> RunPlan:
         if cfg.train.pretrain_share_pct is None and int(cfg.train.tokens) <= 0:
             raise ConfigError("train.tokens: must be positive when fine-tuning is enabled")
     return RunPlan(variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, kv_quant=kv_quant)
+
+
+def _check_data_source(data_cfg: DictConfig) -> None:
+    from ..data.sources import check_data_config
+
+    try:
+        check_data_config(data_cfg)
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith("data") else f"data: {message}") from err
 
 
 def _check_model_source(model_cfg: DictConfig) -> None:
@@ -128,6 +139,8 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
         parts.append(svd)
     if plan.kv_quant:
         parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}")
+    if plan.spec is not None and cfg.distill.enabled:
+        parts.append(f"distill{cfg.distill.sequences}x{cfg.distill.epochs}")
     if plan.fine_tune:
         parts.append(f"ft{_short_count(cfg.train.tokens) if cfg.train.pretrain_share_pct is None else str(cfg.train.pretrain_share_pct) + 'pct'}")
     parts.append(f"s{cfg.seed}")
@@ -135,12 +148,13 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
 
 
 def config_hash(cfg: DictConfig, keys=("model", "data", "rope", "svd", "kv_quant", "train", "eval",
-                                        "variant", "seed", "calibration", "recovery")) -> str:
+                                        "variant", "seed", "calibration", "distill")) -> str:
     """A short digest of everything that determines a run's numbers (not where it logs)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     relevant = {k: container.get(k) for k in keys if k in container}
     if relevant.get("variant") != "mla":
-        relevant.pop("rope", None), relevant.pop("svd", None), relevant.pop("calibration", None)
+        for key in ("rope", "svd", "calibration", "distill"):
+            relevant.pop(key, None)
     if relevant.get("variant") == "original":
         relevant.pop("train", None)
     blob = json.dumps(relevant, sort_keys=True, default=str)

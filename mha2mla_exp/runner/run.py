@@ -92,8 +92,12 @@ def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
 
     t = time.perf_counter()
     calibration = stages.calibration_batches(cfg, plan, data)
-    model = stages.convert(plan, model, calibration)
+    original, model = model, stages.convert(plan, model, calibration)
     timings["convert_s"] = round(time.perf_counter() - t, 3)
+    if plan.spec is not None and cfg.distill.enabled:
+        record["distill"] = stages.distill(cfg, original, model, data)
+        timings["distill_s"] = record["distill"]["seconds"]
+    del original
     record["model"]["params"] = stages.count_parameters(model)
     if plan.spec is not None:
         record["rope_pairs"] = model.config.rope_pairs
@@ -134,7 +138,7 @@ def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
 
 def _shared_weights_dir(cfg: DictConfig) -> Path:
     """Where the fine-tuned weights of this (model, data, conversion, fine-tune, seed) are shared."""
-    key = config_hash(cfg, keys=("model", "data", "rope", "svd", "train", "variant", "seed", "calibration"))
+    key = config_hash(cfg, keys=("model", "data", "rope", "svd", "distill", "train", "variant", "seed", "calibration"))
     return Path(cfg.results_dir) / "_trained" / key
 
 

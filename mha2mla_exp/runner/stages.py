@@ -58,6 +58,17 @@ def convert(plan: RunPlan, model, calibration):
                           init=s.init, calibration=calibration)
 
 
+def distill(cfg: DictConfig, teacher, student, data) -> dict:
+    """Layer-wise distillation of the converted attention blocks on train-split samples."""
+    from ..data import calibration_batches as sample
+    from ..train.distill import distill_attention_layers
+
+    d = cfg.distill
+    # a different seed from the calibration sample, so the two stages see different text
+    batches = list(sample(data, n=d.sequences, seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.seed + 1))
+    return distill_attention_layers(teacher, student, batches, epochs=d.epochs, lr=d.lr)
+
+
 @torch.no_grad()
 def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     """Bytes per token actually held by the model's cache (latent or K/V, quantized or not) after a
