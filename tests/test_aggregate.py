@@ -89,7 +89,7 @@ def test_table1_layout_and_paper_numbers_untouched(agg):
     assert len(t1) == len(paper) == 20          # every paper row once, ours matched onto them
     assert t1["avg_paper"].tolist() == paper["avg"].tolist()
     assert row(t1, model="7B Llama2", d_kv=64)["r"] == 8    # the paper's r = d_h/16 with d_h = 128
-    assert list(t1.columns[:8]) == ["model", "ours_model", "method", "rope", "r", "svd", "d_kv", "n_runs"]
+    assert list(t1.columns[:9]) == ["model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "n_runs"]
     # 360M runs have only LongBench results: they must not appear as empty Table 1 rows
     assert (t1["ours_model"] == "smollm2-360m").sum() == 0
 
@@ -176,6 +176,19 @@ def test_non_ok_runs_listed_with_status(written):
     assert left_out.loc["smollm2-135m__2-norm-r4__joint-dkv32", "error"].startswith("RuntimeError")
 
 
+def test_runs_not_ok_stay_out_even_with_scores(tmp_path):
+    source = FIXTURES / "table1/smollm2-135m__2-norm-r4__joint-dkv16"
+    for status in ("ok", "running", "diverged"):
+        run = json.loads((source / "results.json").read_text())
+        run["status"], run["eval"]["commonsense"]["avg"] = status, {"ok": 0.41, "running": 0.2, "diverged": 0.1}[status]
+        (tmp_path / status).mkdir()
+        (tmp_path / status / "results.json").write_text(json.dumps(run))
+    agg = build_aggregate([tmp_path])
+    cell = row(agg.tables["table1"], model="smollm2-135m", d_kv=16)    # no config.yaml: no paper name
+    assert (cell["n_runs"], cell["avg_ours"]) == (1, 41.0)
+    assert sorted(agg.runs["status"]) == ["diverged", "ok", "running"]
+
+
 def test_unreadable_record_is_listed_not_fatal(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken/results.json").write_text('{"status": "ok", ')
@@ -208,7 +221,7 @@ def test_markdown_without_tabulate(monkeypatch, agg):
     text = to_markdown(agg.tables["table5"])
     header, rule, first = text.splitlines()[:3]
     assert header.startswith("| model | ours_model | method |") and rule.startswith("|---|")
-    assert first.startswith("| 135M SmolLM | smollm2-135m | finetuned_full_attention | full | 32 | 2 | 44.50 | 44.25 |")
+    assert first.startswith("| 135M SmolLM | smollm2-135m | finetuned_full_attention | full | 32 |  | 2 | 44.50 | 44.25 |")
 
 
 def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys):
@@ -312,14 +325,36 @@ class _FakeApi:
 
 
 def test_wandb_runs_join_the_tables():
+    # shaped like the runner's W&B logging: the resolved Hydra config, a slash-keyed summary without `mla`
     config = {"model": {"name": "smollm2-135m", "paper_name": "135M SmolLM", "shape": {"head_dim": 64}},
-              "variant": "mla", "seed": 0}
-    summary = {"mla/rope": "2-norm", "mla/r": 4, "mla/svd": "joint", "mla/d_kv": 32, "kv/mem_change_pct": -68.75,
-               "eval/commonsense/avg": 0.42, "eval/commonsense/mmlu": 0.3, "train/tokens": 500000}
-    api = _FakeApi([_FakeRun("a", "finished", config, summary),
-                    _FakeRun("b", "crashed", config, {"mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 8}})])
+              "variant": "mla", "seed": 0, "rope": {"strategy": "2-norm", "r": None, "score": "product"},
+              "svd": {"method": "joint", "d_kv": 32, "sigma": "up", "init": "weight"},
+              "kv_quant": {"backend": None, "nbits": None, "residual_length": 128}}
+    summary = {"status": "ok", "kv/mem_change_pct": -68.75, "train/tokens": 500000,
+               "eval/commonsense/avg": 0.42, "eval/commonsense/mmlu": 0.3}
+    crashed = {"mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 8}}   # nested form, no status
+    api = _FakeApi([_FakeRun("a", "finished", config, summary), _FakeRun("b", "crashed", config, crashed)])
     agg = build_aggregate([FIXTURES], wandb_project="e/p", wandb_api=api)
     cell = row(agg.tables["table1"], model="135M SmolLM", d_kv=32)
     assert (cell["n_runs"], cell["avg_ours"], cell["avg_delta_ours"], cell["mmlu_ours"]) == (1, 42.0, -2.5, 30.0)
-    assert agg.runs.set_index("run_name").loc["b", "status"] == "failed"
+    assert cell["r"] == 4                      # rope.r: null resolved to d_h/16
+    runs = agg.runs.set_index("run_name")
+    assert runs.loc["b", "status"] == "failed" and runs.loc["b", "d_kv"] == 8
     assert "config.seed" in agg.records and "_step" not in agg.records
+
+
+def test_non_default_options_are_a_row_of_their_own(tmp_path):
+    source = FIXTURES / "table1/smollm2-135m__2-norm-r4__joint-dkv16"
+    for name, score, avg in (("product", "product", 0.41), ("sum", "sum", 0.42)):
+        run = json.loads((source / "results.json").read_text())
+        run["mla"]["score"], run["eval"]["commonsense"]["avg"] = score, avg
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+        (tmp_path / name / "config.yaml").write_text((source / "config.yaml").read_text())
+    agg = build_aggregate([tmp_path])
+    t1 = agg.tables["table1"]
+    rows = t1[(t1["model"] == "135M SmolLM") & (t1["d_kv"] == 16)]
+    assert rows["options"].isna().tolist() == [True, False] and rows["options"].iloc[1] == "score=sum"
+    assert rows["avg_ours"].tolist() == [41.0, 42.0] and rows["avg_paper"].tolist() == [41.84, 41.84]
+    assert sorted(agg.runs["label"]) == ["smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
+                                         "smollm2-135m: MLA 2-norm r=4 joint d_kv=16 (score=sum)"]

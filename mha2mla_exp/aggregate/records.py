@@ -29,8 +29,9 @@ METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope
 PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
 
 # Columns that identify one configuration: runs that agree on all of them (e.g. seeds) are averaged.
-CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "score", "sigma", "precision",
-               "train_tokens")
+CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "precision", "train_tokens")
+# MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
+DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight"}
 
 
 def flatten(value, prefix: str = "") -> dict:
@@ -176,8 +177,7 @@ def canonical_run(record: dict) -> dict:
         "r": None if full_model else _as_int(_get(record, "mla.r")),
         "svd": "none" if full_model else svd,
         "d_kv": None if full_model else _as_int(_get(record, "mla.d_kv")),
-        "score": None if full_model else _get(record, "mla.score"),
-        "sigma": None if full_model else _get(record, "mla.sigma"),
+        "options": None if full_model else options_label(record),
         "precision": precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits")),
         "train_tokens": _as_int(train_tokens),
         "kv_mem_change_pct": _get(record, "kv.mem_change_pct"),
@@ -192,12 +192,20 @@ def canonical_run(record: dict) -> dict:
     row["avg"] = _points(_get(record, "eval.commonsense.avg"))
     for key, value in record.items():
         for section in ("longbench", "long_context"):
-            if key.startswith(f"eval.{section}.") and key != f"eval.{section}.limit":
-                row[f"{section}.{key.split('.', 2)[2]}"] = _points(value)
+            name = key[len(f"eval.{section}."):] if key.startswith(f"eval.{section}.") else None
+            if name and "." not in name and name != "limit":   # scores only, not nested metadata
+                row[f"{section}.{name}"] = _points(value)
     for task in LONGBENCH + ("avg",):
         row.setdefault(f"longbench.{task}", None)
     row.setdefault("long_context.avg", None)
     return row
+
+
+def options_label(record: dict) -> str | None:
+    """The conversion options that differ from the paper's defaults, e.g. "score=sum, init=activation"."""
+    changed = [f"{name}={record[f'mla.{name}']}" for name, default in DEFAULT_OPTIONS.items()
+               if record.get(f"mla.{name}") not in (None, default)]
+    return ", ".join(changed) or None
 
 
 def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
@@ -222,10 +230,8 @@ def variant_label(row) -> str:
         text = f"MLA {row['rope']} r={_fmt(row['r'])} {row['svd']} d_kv={_fmt(row['d_kv'])}"
     else:
         text = str(method)
-    if row.get("score") not in (None, "product") and not pd.isna(row.get("score")):
-        text += f" score={row['score']}"
-    if row.get("sigma") not in (None, "up") and not pd.isna(row.get("sigma")):
-        text += f" sigma={row['sigma']}"
+    if isinstance(row.get("options"), str):
+        text += f" ({row['options']})"
     if row.get("precision") not in (None, "BF16"):
         text += f" {row['precision']}"
     return f"{row['ours_model']}: {text}"

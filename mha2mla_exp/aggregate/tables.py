@@ -76,7 +76,7 @@ def _select_table5(frame):
 
 
 _COMMONSENSE_METRICS = {"avg": "avg", **{task: task for task in COMMONSENSE}}
-_ID = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv")
+_ID = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options")
 
 TABLES = {
     "table1": TableSpec(
@@ -87,7 +87,7 @@ TABLES = {
              "fine-tuned full-attention row."),
     "table2": TableSpec(
         "table2", "Table 2: LongBench by KV-cache precision and d_kv",
-        ("model", "ours_model", "context", "method", "rope", "r", "svd", "d_kv", "precision"),
+        ("model", "ours_model", "context", "method", "rope", "r", "svd", "d_kv", "options", "precision"),
         {"longbench.avg": "avg", **{f"longbench.{task}": task for task in LONGBENCH}},
         _select_table2, "original", with_kv_memory=True,
         ours_extras={"long_context.avg": "long_context_avg_ours"},
@@ -100,7 +100,7 @@ TABLES = {
              "full-attention row."),
     "table5": TableSpec(
         "table5", "Table 5: partial-RoPE strategies by r",
-        ("model", "ours_model", "method", "rope", "r"), _COMMONSENSE_METRICS, _select_table5,
+        ("model", "ours_model", "method", "rope", "r", "options"), _COMMONSENSE_METRICS, _select_table5,
         "finetuned_full_attention",
         note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. avg_delta = Avg minus it."),
 }
@@ -150,10 +150,10 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame) -> pd.
     paper = paper.rename(columns={c: f"{s}_paper" for c, s in stems.items()})
     ours["_key"], paper["_key"] = _key(ours), _key(paper)
 
-    id_columns = [c for c in spec.id_columns if c != "ours_model"]
+    id_columns = [c for c in spec.id_columns if c not in ("ours_model", "options")]
     paper_side = paper[["_key", "paper_order"] + [c for c in id_columns if c in paper]
                        + [f"{s}_paper" for s in stems.values()]]
-    ours_side = ours[["_key", "ours_model", "n_runs"] + [c for c in id_columns if c in ours]
+    ours_side = ours[["_key", "ours_model", "options", "n_runs"] + [c for c in id_columns if c in ours]
                      + list(spec.ours_extras.values()) + [f"{s}_ours" for s in stems.values()]]
     table = paper_side.merge(ours_side, on="_key", how="outer", suffixes=("", "_from_ours"), sort=False)
     for column in id_columns:
@@ -214,6 +214,7 @@ def _sorted(table: pd.DataFrame) -> pd.DataFrame:
         "d_kv": -table["d_kv"].astype("Float64").fillna(0) if "d_kv" in table else 0,
         "precision": table["precision"].fillna("") if "precision" in table else "",
         "ours_model": table["ours_model"].fillna(""),
+        "options": table["options"].fillna(""),
     })
     return table.loc[order.sort_values(list(order.columns), kind="stable").index]
 

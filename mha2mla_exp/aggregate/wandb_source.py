@@ -1,9 +1,11 @@
 """Read a W&B project's runs into the same flat frame as `records.load_runs` (optional, needs network).
 
 A run's W&B config is taken as its config.yaml (`config.*` columns); its summary as its results.json.
-Either may hold the run record nested (`{"eval": {"commonsense": {...}}}`) or with W&B's slash-separated
-keys (`eval/commonsense/avg`); both flatten to the same dotted columns. `wandb` is imported only here,
-only when called, so nothing else depends on it.
+The runner (runner/run.py) logs the resolved Hydra config and a summary of status, kv, train, eval and
+timings, so the `mla` block is rebuilt from the config when the summary lacks it. Either may hold the
+record nested (`{"eval": {"commonsense": {...}}}`) or with W&B's slash-separated keys
+(`eval/commonsense/avg`); both flatten to the same dotted columns. `wandb` is imported only here, only
+when called, so nothing else depends on it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,21 @@ def _plain(mapping) -> dict:
     return {k: v for k, v in dict(raw).items() if not str(k).startswith("_")}
 
 
+def mla_from_hydra(config: dict) -> dict | None:
+    """The record's `mla` block rebuilt from the runner's Hydra config, for runs whose W&B summary does not
+    carry it. Mirrors `runner.config.validate`: `rope.r: null` means the paper's d_h/16."""
+    if config.get("variant") != "mla":
+        return None
+    rope, svd = config.get("rope") or {}, config.get("svd") or {}
+    head_dim = ((config.get("model") or {}).get("shape") or {}).get("head_dim")
+    r = rope.get("r")
+    if r is None and head_dim:
+        r = {"full": head_dim // 2, "none": 0}.get(rope.get("strategy"), head_dim // 16)
+    return {"rope": rope.get("strategy"), "r": r, "svd": svd.get("method"),
+            "d_kv": None if svd.get("method") == "none" else svd.get("d_kv"),
+            "score": rope.get("score"), "sigma": svd.get("sigma"), "init": svd.get("init")}
+
+
 def wandb_record(run) -> dict:
     """One W&B run (a `wandb.apis.public.Run` or anything with the same attributes) -> one flat record."""
     config, summary = _plain(run.config), _plain(run.summary)
@@ -35,6 +52,8 @@ def wandb_record(run) -> dict:
     # the run record's own fields may have been logged in the config (at start) or the summary (at end)
     record.update(_dotted({k: v for k, v in config.items() if str(k).split("/")[0] in _RECORD_FIELDS}))
     record.update(_dotted(summary))
+    if not any(key.startswith("mla.") or key == "mla" for key in record):
+        record.update(flatten({"mla": mla_from_hydra(config)}))
     record.setdefault("run_name", getattr(run, "name", None))
     if record.get("status") is None:
         record["status"] = _STATES.get(getattr(run, "state", None), "unknown")
