@@ -1,0 +1,103 @@
+"""The benchmarked model shapes and how to build each model: random weights from shape facts (the
+MHA original and its MLA form), or the real SmolLM2-135M converted with `convert_to_mla`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..mla import MLAConfig, MLAForCausalLM, MLASpec, ModelShape, convert_to_mla, fixed_pairs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Llama-architecture shape facts plus the MLA recipe benchmarked at that shape."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie: bool
+    r: int  # RoPE pairs kept per KV head (paper default d_h/16)
+    d_kv: int  # latent width per KV head
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, max_position_embeddings=65536,
+            tie_word_embeddings=self.tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+
+    @property
+    def bytes_ratio_bound(self) -> float:
+        """Best decode-attention speedup of MLA over MHA: bytes read per token, 2*d_h/(2r+d_kv)."""
+        return 2 * self.head_dim / (2 * self.r + self.d_kv)
+
+
+# METHOD.md's table; r = d_h/16; d_kv: 32 at d_h=64 (31.25% of the MHA cache), 16 at d_h=128 (12.5%)
+SHAPES = {
+    "smollm-135m": Shape(30, 576, 1536, 9, 3, 64, 49152, True, r=4, d_kv=32),
+    "smollm-1.7b": Shape(24, 2048, 8192, 32, 32, 64, 49152, True, r=4, d_kv=32),
+    "llama2-7b": Shape(32, 4096, 11008, 32, 32, 128, 32000, False, r=8, d_kv=16),
+    "tiny": Shape(2, 64, 96, 4, 2, 16, 97, False, r=2, d_kv=4),  # for tests
+}
+REAL = "real-smollm2"
+REAL_SHAPE = SHAPES["smollm-135m"]
+MODEL_CONF = Path(__file__).resolve().parents[2] / "conf" / "model" / "smollm2_135m.yaml"
+
+
+def build_mha(name: str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The original Llama (MHA/GQA) of a shape, random weights."""
+    with torch.device(device):
+        return LlamaForCausalLM(SHAPES[name].llama_config()).to(dtype).eval()
+
+
+def build_mla(name: str, device: torch.device, dtype: torch.dtype) -> MLAForCausalLM:
+    """An MLA model of the same shape with random weights: speed and bytes do not depend on the
+    values, so no SVD is run."""
+    shape = SHAPES[name]
+    llama = shape.llama_config()
+    spec = MLASpec.create(ModelShape(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                                     shape.head_dim), rope="uniform", r=shape.r, svd="joint", d_kv=shape.d_kv)
+    pairs = [[fixed_pairs("uniform", shape.r, shape.head_dim)] * shape.num_kv_heads] * shape.num_layers
+    fields = llama.to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "dtype"):
+        fields.pop(key, None)
+    config = MLAConfig(**fields, mla=spec.to_dict(), rope_pairs=pairs)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return MLAForCausalLM(config).to(dtype).eval()
+
+
+def build_real(device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, MLAForCausalLM]:
+    """The real SmolLM2-135M (offline asset) and its MLA conversion (kept on the CPU until its turn);
+    raises if the weights cannot be had here."""
+    import yaml
+
+    from ..models import load_model
+
+    cfg = yaml.safe_load(MODEL_CONF.read_text())
+    mha, _ = load_model(cfg, device=device, dtype=dtype)
+    s = REAL_SHAPE
+    mla = convert_to_mla(mha, rope="uniform", r=s.r, svd="joint", d_kv=s.d_kv).to(device="cpu", dtype=dtype).eval()
+    return mha.eval(), mla
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct parameters and buffers (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
