@@ -293,9 +293,12 @@ def test_long_context_plot(agg):
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("context length (tokens)", "long-context score (%)")
     assert ax.get_xscale() == "log"
     lines = series(ax)
-    assert set(lines) == {"smollm2-135m: original", "smollm2-135m: FT full attention",
+    assert set(lines) == {"smollm2-135m: original", "smollm2-135m: FT full attention (mean of 2)",
                           "smollm2-135m: MLA 2-norm r=4 joint d_kv=16"}
-    assert lines["smollm2-135m: FT full attention"] == ([256, 512, 1024], pytest.approx([100.0, 100.0, 95.0]))
+    assert lines["smollm2-135m: FT full attention (mean of 2)"] == (
+        [256, 512, 1024], pytest.approx([100.0, 100.0, 95.0]))
+    assert lines["smollm2-135m: MLA 2-norm r=4 joint d_kv=16"][1] == pytest.approx([100.0, 80.0, 40.0])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512", "1024"]
 
 
 def test_plots_saved_as_png_and_pdf(written):

@@ -154,9 +154,9 @@ def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
         if not match:
             continue
         for _, run in ok[ok[column].notna()].iterrows():
-            rows.append({"label": variant_label(run), "task": match["task"], "length": int(match["length"]),
-                         "score": float(run[column])})
-    return pd.DataFrame(rows, columns=["label", "task", "length", "score"])
+            rows.append({"label": variant_label(run), "run_dir": run["run_dir"], "task": match["task"],
+                         "length": int(match["length"]), "score": float(run[column])})
+    return pd.DataFrame(rows, columns=["label", "run_dir", "task", "length", "score"])
 
 
 def long_context_vs_length(runs: pd.DataFrame) -> Figure:
@@ -167,8 +167,14 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
     several_tasks = points["task"].nunique() > 1
     for (label, task), group in points.groupby(["label", "task"], sort=True):
         mean = group.groupby("length")["score"].mean()
-        ax.plot(mean.index, mean.to_numpy(), marker="o", label=f"{label} · {task}" if several_tasks else label)
+        n = group["run_dir"].nunique()
+        name = f"{label} · {task}" if several_tasks else label
+        ax.plot(mean.index, mean.to_numpy(), marker="o", label=name if n == 1 else f"{name} (mean of {n})")
     ax.set_xscale("log", base=2)
+    if len(points):   # the evaluated lengths as plain numbers, not powers of two
+        lengths = sorted(points["length"].unique())
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("long-context score (%)")
     ax.set_title("Long-context score vs context length")
