@@ -199,22 +199,27 @@ def _deltas(table: pd.DataFrame, column: str, baseline_method: str, group: list[
     return deltas
 
 
+def _text(column: pd.Series) -> pd.Series:
+    """Sortable text, '' for missing (a column can be all-missing floats when no run filled it)."""
+    return column.astype(object).where(column.notna(), "").astype(str)
+
+
 def _sorted(table: pd.DataFrame) -> pd.DataFrame:
     """The paper's row order; our rows without a paper counterpart after their model's paper rows."""
     model_rank = table.groupby("model", dropna=False, sort=False)["paper_order"].transform("min")
     method_rank = table["method"].map({m: i for i, m in enumerate(METHODS)}).fillna(len(METHODS))
     order = pd.DataFrame({
         "model_rank": model_rank.fillna(np.inf),
-        "model": table["model"].fillna(""),
+        "model": _text(table["model"]),
         "paper_order": table["paper_order"].fillna(np.inf),
         "method_rank": method_rank,
-        "rope": table["rope"].fillna("") if "rope" in table else "",
+        "rope": _text(table["rope"]) if "rope" in table else "",
         "r": table["r"].astype("Float64").fillna(-1) if "r" in table else 0,
-        "svd": table["svd"].fillna("") if "svd" in table else "",
+        "svd": _text(table["svd"]) if "svd" in table else "",
         "d_kv": -table["d_kv"].astype("Float64").fillna(0) if "d_kv" in table else 0,
-        "precision": table["precision"].fillna("") if "precision" in table else "",
-        "ours_model": table["ours_model"].fillna(""),
-        "options": table["options"].fillna(""),
+        "precision": _text(table["precision"]) if "precision" in table else "",
+        "ours_model": _text(table["ours_model"]),
+        "options": _text(table["options"]),
     })
     return table.loc[order.sort_values(list(order.columns), kind="stable").index]
 
