@@ -128,8 +128,7 @@ def bench_model(shape_name: str, model, args, decode_rows: list, capacity_rows: 
     kernels.set_backend("auto")
 
 
-def free(*models) -> None:
-    del models
+def free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -144,6 +143,22 @@ def main(argv=None) -> int:
     info = report.machine_info(args.device) | {"command": "python -m mha2mla_exp.bench " + " ".join(argv or sys.argv[1:]),
                                                 "dtype": str(args.dtype), "budget_bytes": args.budget}
     torch.manual_seed(0)
+    # the attention microbenchmark first (the GPU target, and quick), each result written as soon as
+    # it exists, so that a run cut short by a timeout still leaves what it measured
+    attention_rows: list[dict] = []
+    if not args.no_attention:
+        attention_rows = attention.run_attention(args.attention_batches, args.attention_contexts, args.device,
+                                                 args.dtype, warmup=args.warmup, repeats=args.repeats,
+                                                 budget=args.attention_budget)
+        report.write_csv(attention_rows, args.out / "attention.csv")
+        print("attention only, Llama-2-7B layer (d_kv=16, r=8): speedup over MHA SDPA vs bound "
+              f"{attention.bound(128, 8, 16):.1f}x")
+        for row in attention_rows:
+            if row.get("status") == "ok":
+                print(f"  b{row['batch']:<3d} ctx {row['context']:6d} {row['variant']:34s} "
+                      f"{row['s_median'] * 1e3:9.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
+                      f"{row['speedup_vs_mha']:5.2f}x = {100 * row['fraction_of_bound']:5.1f}% of bound", flush=True)
+
     decode_rows: list[dict] = []
     capacity_rows: list[dict] = []
     for name in args.shapes:
@@ -155,39 +170,23 @@ def main(argv=None) -> int:
                 decode_rows.append({"shape": name, "status": f"skipped: {type(exc).__name__}: {exc}"[:300]})
                 continue
             bench_model(name, mha, args, decode_rows, capacity_rows)
-            free(mha)
             del mha
+            free()
             bench_model(name, mla.to(args.device), args, decode_rows, capacity_rows)
             del mla
             free()
-            continue
-        # one model resident at a time, so that the GPU's peak memory is that model's
-        model = shapes.build_mha(name, args.device, args.dtype)
-        bench_model(name, model, args, decode_rows, capacity_rows)
-        del model
-        free()
-        model = shapes.build_mla(name, args.device, args.dtype)
-        bench_model(name, model, args, decode_rows, capacity_rows)
-        del model
-        free()
+        else:  # one model resident at a time, so that the GPU's peak memory is that model's
+            model = shapes.build_mha(name, args.device, args.dtype)
+            bench_model(name, model, args, decode_rows, capacity_rows)
+            del model
+            free()
+            model = shapes.build_mla(name, args.device, args.dtype)
+            bench_model(name, model, args, decode_rows, capacity_rows)
+            del model
+            free()
+        report.write_csv(decode_rows, args.out / "decode.csv")
+        report.write_csv(capacity_rows, args.out / "capacity.csv")
 
-    attention_rows: list[dict] = []
-    if not args.no_attention:
-        attention_rows = attention.run_attention(args.attention_batches, args.attention_contexts, args.device,
-                                                 args.dtype, warmup=args.warmup, repeats=args.repeats,
-                                                 budget=args.attention_budget)
-        print("attention only, Llama-2-7B layer (d_kv=16, r=8): speedup over MHA SDPA vs bound "
-              f"{attention.bound(128, 8, 16):.1f}x")
-        for row in attention_rows:
-            if row.get("status") == "ok":
-                print(f"  b{row['batch']:<3d} ctx {row['context']:6d} {row['variant']:34s} "
-                      f"{row['s_median'] * 1e3:9.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
-                      f"{row['speedup_vs_mha']:5.2f}x = {100 * row['fraction_of_bound']:5.1f}% of bound", flush=True)
-
-    report.write_csv(decode_rows, args.out / "decode.csv")
-    report.write_csv(capacity_rows, args.out / "capacity.csv")
-    if attention_rows:
-        report.write_csv(attention_rows, args.out / "attention.csv")
     if not args.no_plot:
         report.plot(decode_rows, attention_rows, args.out / "bench.png")
     report.write_machine(info, args.out / "machine.json")
