@@ -34,8 +34,8 @@ def _split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_LV: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
     sp = tl.program_id(2)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -107,15 +107,19 @@ def _merge_kernel(
     h = tl.program_id(1)
     offs_sp = tl.arange(0, BLOCK_SP)
     offs_lv = tl.arange(0, BLOCK_LV)
-    sp_ok = offs_sp < num_splits
     lv_ok = offs_lv < L_V
-    lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + offs_sp, mask=sp_ok, other=float("-inf"))
+    lse_base = LSE + b * s_lse_b + h * s_lse_h
+    lse = tl.load(lse_base + offs_sp, mask=offs_sp < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no valid position at all: the output is zero
-    w = tl.exp2(lse - m)
-    parts = tl.load(OPART + b * s_op_b + h * s_op_h + offs_sp[:, None] * s_op_sp + offs_lv[None, :],
-                    mask=sp_ok[:, None] & lv_ok[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    denom = tl.sum(tl.exp2(lse - m), axis=0)
+    # one split's row at a time: a [splits, L_V] tile would not fit in registers at L_V=512
+    acc = tl.zeros([BLOCK_LV], tl.float32)
+    part_base = OPART + b * s_op_b + h * s_op_h + offs_lv
+    for sp in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_base + sp) - m)
+        acc += w * tl.load(part_base + sp * s_op_sp, mask=lv_ok, other=0.0)
+    out = acc / tl.maximum(denom, 1e-30)
     tl.store(OUT + b * s_o_b + h * s_o_h + offs_lv, out.to(OUT.dtype.element_ty), mask=lv_ok)
 
 
@@ -124,18 +128,23 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_config(batch: int, n_heads: int, seq_len: int, device: torch.device) -> dict:
+def default_config(batch: int, n_heads: int, seq_len: int, latent_width: int, device: torch.device) -> dict:
     """Launch parameters: heads per program, tile length, number of sequence splits, warps.
 
-    Enough splits that about two programs per SM are in flight, but no split shorter than
-    256 tokens (each split costs a partial-result write and a merge read).
+    Chosen without a GPU at hand (see `tune.py` for the sweep that checks them): the fp32
+    accumulator [BLOCK_H, L_v] must stay in registers, so wide latents get 16 heads per program
+    and 8 warps. Enough splits that about two programs per SM are in flight, but no split shorter
+    than 256 tokens (each split costs a partial-result write and a merge read).
     """
-    block_h = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 16
+    width = triton.next_power_of_2(latent_width)
+    block_h = min(max(16, triton.next_power_of_2(n_heads)), 32 if width <= 256 else 16)
+    warps = 8 if block_h * width >= 16 * 512 else 4
+    block_s = 32 if width <= 512 else 16
     head_blocks = triton.cdiv(n_heads, block_h)
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     splits = triton.cdiv(2 * sms, batch * head_blocks)
     splits = max(1, min(splits, triton.cdiv(seq_len, 256), 128))
-    return {"BLOCK_H": block_h, "BLOCK_S": 32, "num_splits": splits, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_H": block_h, "BLOCK_S": block_s, "num_splits": splits, "num_warps": warps, "num_stages": 2}
 
 
 def absorbed_decode_triton(
@@ -153,7 +162,7 @@ def absorbed_decode_triton(
     # the kernels index the last dim with unit stride
     q_rope, q_latent, k_rope, latent = (t if t.stride(-1) == 1 else t.contiguous()
                                          for t in (q_rope, q_latent, k_rope, latent))
-    cfg = default_config(b, n_h, s, latent.device) | (config or {})
+    cfg = default_config(b, n_h, s, max(l_k, l_v), latent.device) | (config or {})
     block_h, block_s, splits = cfg["BLOCK_H"], cfg["BLOCK_S"], cfg["num_splits"]
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s  # whole tiles per split
     splits = triton.cdiv(s, split_len)
@@ -171,11 +180,12 @@ def absorbed_decode_triton(
     same_kv = k_slice == v_slice
     # fp32 inputs: exact products (tl.dot would use tf32 on the GPU); 16-bit inputs: tensor cores
     precision = "ieee" if latent.dtype == torch.float32 else "tf32"
-    k_rope_strides = k_rope.stride()[:3] if r else (0, 0, 0)
-    _split_kernel[(b, triton.cdiv(n_h, block_h), splits)](
+    if not r:  # NoPE: the rope arguments are never read; pass real tensors, not empty ones
+        q_rope, k_rope = q_latent, latent.unsqueeze(1)
+    _split_kernel[(triton.cdiv(n_h, block_h), b, splits)](
         q_rope, q_latent, k_rope, latent, valid_start, valid_end, o_part, lse,
         q_rope.stride(0), q_rope.stride(1), q_latent.stride(0), q_latent.stride(1),
-        *k_rope_strides,
+        k_rope.stride(0), k_rope.stride(1), k_rope.stride(2),
         latent.stride(0), latent.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
@@ -190,7 +200,7 @@ def absorbed_decode_triton(
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), splits, l_v,
-        BLOCK_SP=max(2, triton.next_power_of_2(splits)), BLOCK_LV=triton.next_power_of_2(l_v),
+        BLOCK_SP=max(2, triton.next_power_of_2(splits)), BLOCK_LV=max(16, triton.next_power_of_2(l_v)),
         num_warps=4,
     )
     return out

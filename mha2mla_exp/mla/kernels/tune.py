@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     nbytes = (latent.numel() + k_rope.numel()) * latent.element_size()
     bound = 2 * d_h / (rope + args.d_kv)
 
-    auto = default_config(b, n_h, s, dev)
+    auto = default_config(b, n_h, s, width, dev)
     rows = []
     for block_h, block_s, warps, stages, split_mul in itertools.product(
             (16, 32), (16, 32, 64), (4, 8), (2, 3), (0.5, 1, 2)):
