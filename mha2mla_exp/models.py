@@ -115,7 +115,7 @@ def _check_shape_block(shape: Any) -> None:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
+    if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
