@@ -99,6 +99,37 @@ def test_triton_cuda_matches_reference(case):
     assert max_error(case, "cuda") < TOL[case[8]]
 
 
+def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **options):
+    """Compile a Triton kernel for sm_90 without a GPU (ptxas ships in the triton wheel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n) or ("fp32" if n in floats else "i32")
+                 for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs triton; on CUDA the native tests compile it")
+def test_kernels_compile_for_hopper_at_the_default_llama_config():
+    """What the interpreter cannot show: the kernels lower to sm_90 code at the Llama-2-7B layer's
+    default launch config (bf16, 16 heads x 512-wide latent per program, no padding)."""
+    from mha2mla_exp.mla.kernels.triton_decode import _merge_kernel, _split_kernel, default_config
+
+    cfg = default_config(16, 32, 16384, 512, torch.device("cpu"))
+    bf16 = {n: "*bf16" for n in ("QR", "QL", "KR", "LAT")} | {"OPART": "*fp32", "LSE": "*fp32"}
+    split = compile_for_hopper(
+        _split_kernel, bf16,
+        dict(VSTART=None, VEND=None, HAS_ROPE=True, HAS_VALID=False, SAME_KV=True, BLOCK_H=cfg["BLOCK_H"],
+             BLOCK_S=cfg["BLOCK_S"], BLOCK_LK=512, BLOCK_LV=512, BLOCK_R=16, PRECISION="tf32"),
+        floats=("qk_scale",), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    merge = compile_for_hopper(_merge_kernel, {"OPART": "*fp32", "LSE": "*fp32", "OUT": "*bf16"},
+                               dict(BLOCK_SP=32, BLOCK_LV=512), num_warps=4)
+    assert split.asm["cubin"] and merge.asm["cubin"]
+
+
 def naive_decode(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale, valid_start=None, valid_end=None):
     """Head by head, sequence by sequence, in float64: an independent statement of the maths."""
     b, n_h, _ = q_latent.shape
