@@ -8,7 +8,8 @@
 # which the image lacks, so its wheel travels in .whl/:
 #   1. here, with PyPI:   bash scripts/gpu_bench.sh prepare      (fills .whl/, git-ignored, ~15 MB)
 #   2. there, one call:   bash scripts/gpu_bench.sh              (carry: [".whl"])
-# real-smollm2 needs the converted asset folder, which is too large to carry: it is skipped there.
+# real-smollm2 is left out: its asset (540 MB) is too large to carry and fetching it there would only
+# hang on the missing network; the smollm-135m shape with random weights times the same computation.
 # Budget: the stages' timeouts add up to 570 s, so run it with the device tool's timeout_s=600. Each
 # stage writes as it goes (the benchmark after the microbenchmark and after every shape), so a stage cut
 # by its timeout still leaves its CSVs; only bench.png is drawn at the very end. Files in $OUT (8 at
@@ -48,7 +49,7 @@ echo "== launch-config sweep at the Llama-2-7B layer, batch 16 / 16k"
 timeout 120 $PY -m mha2mla_exp.mla.kernels.tune --batch 16 --context 16384 --out "$RES/tune.csv" 2>&1 | tail -12
 
 echo "== benchmark (attention microbenchmark, then decode grid)"
-timeout 300 $PY -m mha2mla_exp.bench --shapes smollm-135m,llama2-7b,smollm-1.7b,real-smollm2 --out "$RES" 2>&1 | grep -v ' INFO ' | tee "$RES/bench.log" | tail -60
+timeout 300 $PY -m mha2mla_exp.bench --shapes smollm-135m,llama2-7b,smollm-1.7b --out "$RES" 2>&1 | grep -v ' INFO ' | tee "$RES/bench.log" | tail -60
 
 if [[ -n "${OUT:-}" ]]; then
     cp "$RES"/*.csv "$RES"/*.png "$RES"/*.json "$RES"/*.log "$OUT"/ 2>/dev/null
