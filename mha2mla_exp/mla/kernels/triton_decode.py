@@ -35,7 +35,7 @@ def _split_kernel(
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
     hb = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # batch offsets into a large cache overflow int32
     sp = tl.program_id(2)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
