@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import (
 
 from .cache import LatentCache, QuantizedLatentCache
 from .configuration import MLAConfig
+from .kernels import absorbed_decode
 from .rope_selection import rope_dims
 
 
@@ -154,15 +155,18 @@ class MLAAttention(nn.Module):
 
         w_uk = self.k_up_proj.weight.view(n_kv, self.nope_dim, self.k_up_proj.in_features)
         q_latent = torch.einsum("bkgtn,knl->bkgtl", q_nope.reshape(b, n_kv, g, t, self.nope_dim), w_uk)
-        scores = torch.matmul(q_latent.reshape(b, 1, n_h * t, -1), c_k.transpose(-1, -2))
-        if self.rope_dim:
-            rope_scores = torch.matmul(q_rope.reshape(b, n_kv, g * t, self.rope_dim), k_rope.transpose(-1, -2))
-            scores = scores + rope_scores.reshape(b, 1, n_h * t, s)
-        scores = (scores * self.scaling).view(b, n_h, t, s)
-        scores = _apply_mask(scores, attention_mask)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
-
-        attended = torch.matmul(probs.view(b, 1, n_h * t, s), c_v)  # [B, 1, n_h*T, L_v]
+        if t == 1 and attention_mask is None:  # decode: one fused pass over the cache (Triton on CUDA)
+            attended = absorbed_decode(q_rope.reshape(b, n_h, self.rope_dim), q_latent.reshape(b, n_h, -1),
+                                       k_rope, latent.squeeze(1), self.k_latent, self.v_latent, self.scaling)
+        else:
+            scores = torch.matmul(q_latent.reshape(b, 1, n_h * t, -1), c_k.transpose(-1, -2))
+            if self.rope_dim:
+                rope_scores = torch.matmul(q_rope.reshape(b, n_kv, g * t, self.rope_dim), k_rope.transpose(-1, -2))
+                scores = scores + rope_scores.reshape(b, 1, n_h * t, s)
+            scores = (scores * self.scaling).view(b, n_h, t, s)
+            scores = _apply_mask(scores, attention_mask)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
+            attended = torch.matmul(probs.view(b, 1, n_h * t, s), c_v)  # [B, 1, n_h*T, L_v]
         w_uv = self.v_up_proj.weight.view(n_kv, self.head_dim, self.v_up_proj.in_features)
         out = torch.einsum("bkgtl,kdl->bkgtd", attended.view(b, n_kv, g, t, -1), w_uv)
         if self.v_up_proj.bias is not None:
