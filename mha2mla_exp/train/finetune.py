@@ -178,6 +178,8 @@ def finetune(
     bar.close()
     seconds = elapsed_before + time.perf_counter() - start
     model = accelerator.unwrap_model(model)
+    throughput = step * budget.tokens_per_step / max(seconds, 1e-9)
+    flops = _train_flops_per_token(model, train_cfg.seq_len) * throughput
     model.eval()
     if ckpt.exists():
         shutil.rmtree(ckpt)  # the finished run needs no resume point
@@ -188,10 +190,32 @@ def finetune(
         "first_loss": first_loss,
         "pretrain_share_pct": 100 * step * budget.tokens_per_step / pretrain_tokens if pretrain_tokens else None,
         "seconds": round(seconds, 3),
-        "tokens_per_s": round(step * budget.tokens_per_step / max(seconds, 1e-9), 1),
+        "tokens_per_s": round(throughput, 1),
+        "achieved_tflops": round(flops / 1e12, 4),
+        "mfu": _mfu(flops, accelerator),
         "precision": mixed if mixed != "no" else "fp32",
         "processes": accelerator.num_processes,
     }
+
+
+# dense bf16 tensor-core peaks (no sparsity), per device; MFU is left empty elsewhere (CPUs)
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def _train_flops_per_token(model, seq_len: int) -> float:
+    """6N for the weights plus 12 * L * d_attn * T for attention scores and mixing (PaLM's estimate)."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6 * n + attn
+
+
+def _mfu(flops_per_s: float, accelerator: Accelerator) -> float | None:
+    if accelerator.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(accelerator.device)
+    peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    return round(flops_per_s / (peak * accelerator.num_processes), 4) if peak else None
 
 
 def _save_checkpoint(accelerator: Accelerator, ckpt: Path, step: int, first_loss: float, elapsed: float) -> None:
