@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, publish
-from .registry import Asset, get_asset
+from .registry import get_asset
 
 log = logging.getLogger(__name__)
 
