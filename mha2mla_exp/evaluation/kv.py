@@ -1,0 +1,139 @@
+"""KV caches for evaluation-time generation, and the bytes they actually hold.
+
+The MLA model caches (k_rope, c_kv) in `LatentCache` / `QuantizedLatentCache`; the original model
+uses transformers' `DynamicCache` / `QuantizedCache` (the paper's Table 2 baselines). Either way
+the evaluation builds the cache itself, so that it can read `cache_nbytes` after each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..mla import LatentCache, QuantizedLatentCache, cache_nbytes
+from ..mla.cache import QUANT_BACKENDS
+from ..mla.configuration import MLAConfig
+from ..mla.spec import MLASpec, ModelShape, kv_ratio
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """KV-cache quantization as the paper ran it: HF QuantizedCache defaults but residual 128."""
+
+    backend: str = "hqq"
+    nbits: int = 4
+    residual_length: int = 128
+    q_group_size: int = 64
+
+    def __post_init__(self):
+        if self.backend not in QUANT_BACKENDS:
+            raise ValueError(f"unknown kv_quant backend {self.backend!r}; expected one of {QUANT_BACKENDS}")
+        if self.nbits not in (2, 4):
+            raise ValueError(f"kv_quant nbits={self.nbits}: the paper's settings are 4 or 2 bits")
+        if self.residual_length < 0 or self.q_group_size <= 0:
+            raise ValueError("kv_quant residual_length must be >= 0 and q_group_size > 0")
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "KVQuant | None":
+        """None / a mapping (backend, nbits, residual_length, q_group_size) / a KVQuant."""
+        if cfg is None or isinstance(cfg, KVQuant):
+            return cfg
+        cfg = dict(cfg)
+        if cfg.get("backend") is None:  # conf/kv_quant/none.yaml: no quantization
+            return None
+        unknown = set(cfg) - {"backend", "nbits", "residual_length", "q_group_size"}
+        if unknown:
+            raise ValueError(f"unknown kv_quant keys {sorted(unknown)}")
+        return cls(**cfg)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_mla(model) -> bool:
+    return getattr(model.config, "model_type", None) == MLAConfig.model_type
+
+
+def new_cache(model, kv_quant: KVQuant | None):
+    """A fresh cache for one `generate` call of `model` (MLA or original)."""
+    config = model.config
+    if is_mla(model):
+        if kv_quant is None:
+            return LatentCache()
+        return QuantizedLatentCache(config.num_hidden_layers, backend=kv_quant.backend, nbits=kv_quant.nbits,
+                                    q_group_size=kv_quant.q_group_size, residual_length=kv_quant.residual_length)
+    from transformers import DynamicCache, QuantizedCache
+
+    text_config = config.get_text_config(decoder=True)
+    if kv_quant is None:
+        return DynamicCache(config=text_config)
+    return QuantizedCache(backend=kv_quant.backend, config=text_config, nbits=kv_quant.nbits,
+                          q_group_size=kv_quant.q_group_size, residual_length=kv_quant.residual_length)
+
+
+class CacheMeter:
+    """Accumulates the bytes held by the cache at the end of each generate call, per cached token."""
+
+    def __init__(self):
+        self.calls = 0
+        self.bytes = 0
+        self.token_slots = 0  # batch rows x cached positions (left padding included, as it is held)
+
+    def record(self, cache, batch_size: int) -> None:
+        seq = cache.get_seq_length()
+        if seq <= 0:
+            return
+        self.calls += 1
+        self.bytes += cache_nbytes(cache)
+        self.token_slots += batch_size * seq
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.bytes / self.token_slots if self.token_slots else None
+
+
+def mha_bytes_per_token(model) -> int:
+    """The original model's full K/V cache per token (all layers) at the model's dtype."""
+    shape = ModelShape.from_config(model.config)
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * elem
+
+
+def nominal_ratio(model, kv_quant: KVQuant | None) -> float:
+    """Cache size over the original model's cache at the same dtype, by formula.
+
+    MLA: (2r + d_kv) / (2 d_h) (METHOD.md); quantization multiplies by nbits / dtype bits (the paper's
+    x1/4 for int4 over BF16). Residual tokens and quantization scales are not in the formula.
+    """
+    ratio = 1.0
+    if is_mla(model):
+        mla = model.config.mla
+        spec = MLASpec(rope=mla["rope"], r=int(mla["r"]), svd=mla["svd"], d_kv=mla.get("d_kv"))
+        ratio = kv_ratio(ModelShape.from_config(model.config), spec)
+    if kv_quant is not None:
+        bits = 8 * torch.empty((), dtype=model.dtype).element_size()
+        ratio *= kv_quant.nbits / bits
+    return ratio
+
+
+def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
+    """The measured cache footprint next to the nominal ratio (the record's `kv` fields)."""
+    measured = meter.bytes_per_token
+    mha = mha_bytes_per_token(model)
+    ratio = None if measured is None else measured / mha
+    return {
+        "bytes_per_token_measured": measured,
+        "bytes_per_token_mha": mha,
+        "ratio_measured": ratio,
+        "ratio_nominal": nominal_ratio(model, kv_quant),
+        "mem_change_pct": None if ratio is None else 100.0 * (ratio - 1.0),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "cache": ("quantized latent" if is_mla(model) else "transformers QuantizedCache")
+        if kv_quant else ("latent" if is_mla(model) else "transformers DynamicCache"),
+        "kv_quant": kv_quant.to_dict() if kv_quant else None,
+        "generate_calls": meter.calls,
+        "note": "measured with cache_nbytes() at the end of each generate call of the generation tasks "
+                "(residual full-precision tokens, quantization scales and group padding included); "
+                "loglikelihood tasks (commonsense, perplexity) run full forward passes and use no cache",
+    }
