@@ -38,7 +38,7 @@ def test_every_group_option_composes(group):
 def test_every_experiment_and_cell_composes_and_validates(name):
     cfg = compose_cfg([f"+experiment={name}"], hydra=True)
     assert cfg.experiment == name
-    assert cfg.hydra.mode == "MULTIRUN", "an experiment runs its own grid"
+    assert str(cfg.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"), "an experiment runs its own grid"
     params = cfg.hydra.sweeper.params
     assert params, "an experiment declares its grid"
     grids = []
