@@ -19,14 +19,18 @@ log = logging.getLogger("mha2mla_exp")
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         run(cfg)
     except ConfigError as err:
         log.error("invalid config: %s", err)
+        if sweeping:  # one impossible cell of a grid must not stop the others
+            print(f"[mha2mla_exp] skipped, invalid config: {err}")
+            return
         raise SystemExit(f"invalid config: {err}") from None
     except Exception:
         # in a sweep one failed run (recorded as failed in its results.json) must not stop the others
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if sweeping:
             log.exception("run failed; continuing the sweep")
             return
         raise

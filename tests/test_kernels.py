@@ -93,6 +93,7 @@ CUDA_CASES = CASES + [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and triton")
 @pytest.mark.parametrize("case", CUDA_CASES, ids=[c[0] for c in CUDA_CASES])
 def test_triton_cuda_matches_reference(case):
@@ -174,6 +175,7 @@ def test_dispatcher_uses_reference_on_cpu():
     assert isinstance(triton_available(), bool)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and triton")
 def test_dispatcher_picks_triton_on_cuda():
     x = make_inputs(CUDA_CASES[-2], "cuda")
