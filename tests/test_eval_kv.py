@@ -1,0 +1,98 @@
+"""Quantized-KV evaluation: generation tasks run on the quantized cache (int4 / int2, HQQ / quanto, residual
+128) for the MLA model and, as the paper's baseline, the original model with transformers' QuantizedCache;
+the measured bytes per token are recorded next to the nominal ratio."""
+
+import pytest
+import torch
+
+from mha2mla_exp.evaluation.fixtures import text_files
+from mha2mla_exp.evaluation.kv import KVQuant, nominal_ratio
+from mha2mla_exp.evaluation.run import run_evaluation
+from mha2mla_exp.mla import convert_to_mla
+from mha2mla_exp.models import build_random_model
+
+# n_kv * d_h = 64: transformers' quanto KV layers need the flattened head dims to fill whole groups of 64
+TINY = {"shape": {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
+QUANTS = [{"backend": b, "nbits": n, "residual_length": 128} for b in ("hqq", "quanto") for n in (4, 2)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_random_model(TINY)
+    model.eval()
+    mla = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=12).eval()  # (2r + d_kv) / 2d_h = 16/64
+    yield {"original": model, "mla": mla}, tokenizer
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def eval_cfg(tmp_path_factory):
+    files = [str(p) for p in text_files(tmp_path_factory.mktemp("texts"), n_docs=3, sentences=60)]
+    return {"perplexity": {"enabled": True, "batch_size": 2},
+            "long_context": {"enabled": True, "lengths": [480], "depths": [0.5], "samples_per_depth": 2,
+                             "texts": files, "batch_size": 2}}
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2MLA_EVAL_TASKS", str(tmp_path / "eval_tasks"))
+
+
+@pytest.fixture(scope="module")
+def unquantized(models, eval_cfg):
+    (by_kind, tokenizer), held = models, torch.randint(1, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    return {kind: run_evaluation(m, tokenizer, eval_cfg, held_out=held, window=512) for kind, m in by_kind.items()}
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q['backend']}{q['nbits']}")
+@pytest.mark.parametrize("kind", ["mla", "original"])
+def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantized, kind, quant):
+    by_kind, tokenizer = models
+    model = by_kind[kind]
+    out = run_evaluation(model, tokenizer, eval_cfg, kv_quant=quant, window=512)
+    kv, plain = out["kv_cache"], unquantized[kind]["kv_cache"]
+    assert kv["kv_quant"] == KVQuant(**quant).to_dict() and kv["generate_calls"] == 1  # one batch of 2 prompts
+    assert kv["cache"] == ("quantized latent" if kind == "mla" else "transformers QuantizedCache")
+    assert 0 < kv["bytes_per_token_measured"] < plain["bytes_per_token_measured"]
+    # the 128 most recent tokens stay full precision, so the measured ratio sits above the nominal one
+    assert kv["ratio_nominal"] < kv["ratio_measured"] < plain["ratio_measured"]
+    assert kv["bytes_per_token_mha"] == 2 * 2 * 32 * 2 * 4  # K and V, 2 KV heads x 32 dims, 2 layers, fp32
+    assert kv["mem_change_pct"] == pytest.approx(100 * (kv["ratio_measured"] - 1))
+    assert 0.0 <= out["long_context"]["passkey@480"] <= 1.0
+    assert "loglikelihood" in kv["note"]
+
+
+def test_int2_holds_fewer_bytes_than_int4(models, eval_cfg):
+    by_kind, tokenizer = models
+    for model in by_kind.values():
+        four, two = (run_evaluation(model, tokenizer, eval_cfg, kv_quant={"backend": "hqq", "nbits": n}, window=512)
+                     ["kv_cache"]["bytes_per_token_measured"] for n in (4, 2))
+        assert two < four
+
+
+def test_unquantized_caches_and_nominal_ratios(models, unquantized):
+    by_kind, _ = models
+    mla, orig = unquantized["mla"]["kv_cache"], unquantized["original"]["kv_cache"]
+    assert orig["cache"] == "transformers DynamicCache" and orig["ratio_measured"] == pytest.approx(1.0)
+    assert mla["cache"] == "latent" and mla["ratio_measured"] == pytest.approx(0.25)  # exactly the formula
+    assert mla["ratio_nominal"] == pytest.approx(0.25)
+    assert nominal_ratio(by_kind["mla"], KVQuant(nbits=4)) == pytest.approx(0.25 * 4 / 32)  # fp32 model
+    assert nominal_ratio(by_kind["original"], KVQuant(nbits=2)) == pytest.approx(2 / 32)
+    assert unquantized["mla"]["perplexity"]["heldout"] > 1
+
+
+def test_no_generation_task_means_no_cache_measurement(models):
+    by_kind, tokenizer = models
+    out = run_evaluation(by_kind["mla"], tokenizer, {"perplexity": {"enabled": False}}, kv_quant=QUANTS[0])
+    assert "bytes_per_token_measured" not in out["kv_cache"] and "no KV cache" in out["kv_cache"]["note"]
+
+
+def test_bad_kv_quant_is_rejected():
+    with pytest.raises(ValueError, match="backend"):
+        KVQuant.from_cfg({"backend": "gptq", "nbits": 4})
+    with pytest.raises(ValueError, match="nbits"):
+        KVQuant.from_cfg({"backend": "quanto", "nbits": 8})
+    assert KVQuant.from_cfg({"backend": None, "nbits": None, "residual_length": 128, "q_group_size": 64}) is None

@@ -1,0 +1,116 @@
+"""Offline long-context suite: passkey docs are deterministic with the answer in the prompt and fit the
+length; long-document perplexity through lm-eval equals our own perplexity; held-out perplexity."""
+
+import math
+
+import pytest
+import torch
+
+from mha2mla_exp.evaluation.fixtures import text_files
+from mha2mla_exp.evaluation.lm import EvalLM
+from mha2mla_exp.evaluation.long_context import (NEEDLE, PREFIX, QUESTION, LongContextConfig, evaluate_long_context,
+                                                 load_texts, passkey_docs, ppl_docs)
+from mha2mla_exp.evaluation.perplexity import perplexity
+from mha2mla_exp.models import build_random_model
+
+TINY = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_random_model(TINY)
+    yield model.eval(), tokenizer
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return load_texts(text_files(tmp_path_factory.mktemp("texts"), n_docs=4, sentences=60))
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHA2MLA_EVAL_TASKS", str(tmp_path / "eval_tasks"))
+
+
+def test_passkey_docs_are_deterministic_and_hold_the_answer(tiny, texts):
+    _, tokenizer = tiny
+    cfg = LongContextConfig(lengths=(480,), depths=(0.0, 0.5, 1.0), samples_per_depth=3)
+    docs = passkey_docs(tokenizer, texts, 480, cfg)
+    assert docs == passkey_docs(tokenizer, texts, 480, cfg)
+    assert len(docs) == 9 and len({d["answer"] for d in docs}) == 9
+    for d in docs:
+        assert d["answer"].isdigit() and len(d["answer"]) == 5
+        assert NEEDLE.format(key=d["answer"]) in d["input"]
+        assert d["input"].startswith(PREFIX) and d["input"].endswith(QUESTION)
+        n = len(tokenizer(d["input"]).input_ids)
+        assert n == d["n_tokens"] and 480 - cfg.max_gen_toks - 40 <= n <= 480 - cfg.max_gen_toks
+    first, last = docs[0], docs[-1]  # depth 0: right after the instruction; depth 1: right before the question
+    assert first["input"][len(PREFIX):].startswith(NEEDLE.format(key=first["answer"]))
+    assert last["input"][: -len(QUESTION)].endswith(NEEDLE.format(key=last["answer"]))
+    other = passkey_docs(tokenizer, texts, 480, LongContextConfig(lengths=(480,), depths=(0.0,), seed=7))
+    assert other[0]["answer"] != first["answer"]
+
+
+def test_passkey_scoring_and_record(tiny, texts):
+    model, tokenizer = tiny
+    cfg = LongContextConfig(lengths=(400, 480), depths=(0.0, 1.0), samples_per_depth=1, ppl_lengths=(256,), ppl_docs=2)
+    lm = EvalLM(model, tokenizer, window=512)
+    scores, ppl, meta = evaluate_long_context(lm, tokenizer, cfg, texts=texts)
+    assert set(scores) == {"passkey@400", "passkey@480", "avg"}
+    assert all(0.0 <= v <= 1.0 for v in scores.values())
+    assert set(meta["by_depth"]["passkey@400"]) == {"0.0", "1.0"}
+    assert math.isfinite(ppl["longdoc@256"]) and ppl["longdoc@256"] > 1
+    assert lm.kv_meter.calls == 4
+    with pytest.raises(ValueError, match="exceeds the evaluation window"):
+        evaluate_long_context(EvalLM(model, tokenizer, window=256), tokenizer, cfg, texts=texts)
+
+
+def test_longdoc_perplexity_equals_ours(tiny, texts):
+    """lm-eval's rolling loglikelihood (BOS, then the document) gives the same token perplexity as ours."""
+    model, tokenizer = tiny
+    cfg = LongContextConfig(lengths=(), ppl_lengths=(300,), ppl_docs=2)
+    _, ppl, _ = evaluate_long_context(EvalLM(model, tokenizer, window=512), tokenizer, cfg, texts=texts)
+    docs = ppl_docs(tokenizer, texts, 300, 2)
+    assert all(d["n_tokens"] <= 299 for d in docs)
+    nll = 0.0
+    for d in docs:
+        ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer.encode(d["text"])])
+        nll += math.log(perplexity(model, [ids])) * d["n_tokens"]
+    assert ppl["longdoc@300"] == pytest.approx(math.exp(nll / sum(d["n_tokens"] for d in docs)), rel=1e-4)
+
+
+def test_perplexity_matches_the_model_loss_and_skips_padding(tiny):
+    model, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 300, (2, 40), generator=g)
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert perplexity(model, [ids]) == pytest.approx(math.exp(loss), rel=1e-5)
+    assert perplexity(model, [ids[:1], ids[1:]]) == pytest.approx(math.exp(loss), rel=1e-5)  # token-weighted
+    # a right-padded row: its padding is not predicted
+    short = ids[1, :25]
+    padded = torch.cat([short, torch.zeros(15, dtype=torch.long)]).unsqueeze(0)
+    mask = torch.cat([torch.ones(25), torch.zeros(15)]).long().unsqueeze(0)
+    assert perplexity(model, [{"input_ids": padded, "attention_mask": mask}]) == pytest.approx(
+        perplexity(model, [short.unsqueeze(0)]), rel=1e-5)
+    with pytest.raises(ValueError):
+        perplexity(model, [])
+
+
+@pytest.mark.integration
+def test_smollm2_retrieves_the_passkey_and_nope_does_worse():
+    """The real model finds the key at 512 tokens; the same model converted to NoPE without fine-tuning does not."""
+    from mha2mla_exp.mla import convert_to_mla
+    from mha2mla_exp.models import load_model
+
+    model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
+    cfg = LongContextConfig(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75), samples_per_depth=1)
+    original, _, _ = evaluate_long_context(EvalLM(model, tokenizer, window=2048), tokenizer, cfg)
+    nope = convert_to_mla(model, rope="none", svd="none")
+    converted, _, _ = evaluate_long_context(EvalLM(nope, tokenizer, window=2048), tokenizer, cfg)
+    assert original["passkey@512"] >= 0.75
+    assert converted["passkey@512"] < original["passkey@512"]
