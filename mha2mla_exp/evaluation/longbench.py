@@ -132,6 +132,7 @@ def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict]:
                     limits={n: cfg.limit for n in names.values()}, sample=cfg.sample, seed=cfg.seed)
     scores = {s: run.metrics[n]["score"] for s, n in names.items()}
     scores["avg"] = sum(scores[s] for s in cfg.subsets) / len(cfg.subsets)
+    scores["limit"] = cfg.limit  # as in the commonsense block: the record states what ran
     meta = {"limit": cfg.limit, "sample": cfg.sample, "seed": cfg.seed,
             "n_docs": {s: run.n_docs[n] for s, n in names.items()},
             "data": cfg.data_dir or "hub (lm-eval's Xnhyacinth/LongBench)",
