@@ -59,7 +59,9 @@ def test_passkey_scoring_and_record(tiny, texts):
     model, tokenizer = tiny
     cfg = LongContextConfig(lengths=(400, 480), depths=(0.0, 1.0), samples_per_depth=1, ppl_lengths=(256,), ppl_docs=2)
     lm = EvalLM(model, tokenizer, window=512)
+    rng = torch.random.get_rng_state()
     scores, ppl, meta = evaluate_long_context(lm, tokenizer, cfg, texts=texts)
+    assert torch.equal(rng, torch.random.get_rng_state())  # lm-eval's seeding does not leak into training
     assert set(scores) == {"passkey@400", "passkey@480", "avg"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     assert set(meta["by_depth"]["passkey@400"]) == {"0.0", "1.0"}

@@ -101,7 +101,7 @@ def markdown(result: dict) -> str:
         if ppl:
             lines += ["Long-document token perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()), ""]
     if "longbench" in ev:
-        lb = ev["longbench"]
+        lb = {k: v for k, v in ev["longbench"].items() if k != "limit"}
         lines += ["## LongBench (percentage points)", "", "| " + " | ".join(lb) + " |", "|" + "---:|" * len(lb),
                   "| " + " | ".join(_pp(v) for v in lb.values()) + " |", ""]
     kv = ev.get("kv_cache") or {}

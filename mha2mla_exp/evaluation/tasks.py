@@ -7,6 +7,7 @@ folder under the project cache and handed to lm-eval as `TaskManager(include_pat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -113,6 +114,20 @@ def sample_indices(n_docs: int, limit: int | None, mode: str, seed: int) -> list
     return sorted(random.Random(seed).sample(range(n_docs), limit))
 
 
+@contextlib.contextmanager
+def _global_rng_kept():
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
 @dataclass
 class TaskRun:
     """What lm-eval returned for a list of leaf tasks."""
@@ -143,10 +158,11 @@ def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults:
     use_samples = any(v is not None for v in samples.values())
     if use_samples:  # lm-eval evaluates every doc of a task given None; give it the full range instead
         samples = {k: (list(range(n_total[k])) if v is None else v) for k, v in samples.items()}
-    out = lm_eval.simple_evaluate(
-        model=lm, tasks=list(loaded.values()), task_manager=tm, num_fewshot=0,
-        samples=samples if use_samples else None, bootstrap_iters=0, log_samples=log_samples,
-    )
+    with _global_rng_kept():  # lm-eval seeds python/numpy/torch (as its CLI does); the caller's streams survive
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=list(loaded.values()), task_manager=tm, num_fewshot=0,
+            samples=samples if use_samples else None, bootstrap_iters=0, log_samples=log_samples,
+        )
     metrics = {}
     for name in loaded:
         raw = out["results"][name]
