@@ -36,8 +36,9 @@ class EvalLM(HFLM):
                  kv_quant: KVQuant | None = None, middle_truncation: bool = True):
         if tokenizer.pad_token_id is None:  # batched generation pads on the left
             tokenizer.pad_token = tokenizer.eos_token
+        # backend given: lm-eval's auto-detection does not know the registered `mha2mla` model type
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=window,
-                         device=str(model.device))
+                         device=str(model.device), backend="causal")
         self.kv_quant = kv_quant
         self.middle_truncation = middle_truncation
         self.kv_meter = CacheMeter()
