@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .confutil import as_plain_dict
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("hub", "local", "asset", "random")
@@ -34,25 +36,9 @@ class ModelUnavailableError(RuntimeError):
     """A valid model config whose weights cannot be obtained here (hub unreachable, not cached, gated)."""
 
 
-def _as_dict(model_cfg: Any) -> dict:
-    if isinstance(model_cfg, Mapping):
-        try:
-            from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
-
-            if isinstance(model_cfg, DictConfig):
-                try:
-                    return OmegaConf.to_container(model_cfg, resolve=True, throw_on_missing=True)
-                except MissingMandatoryValue as e:
-                    raise ValueError(f"model.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
-        except ImportError:  # plain dicts need no OmegaConf
-            pass
-        return dict(model_cfg)
-    raise ValueError(f"model config must be a mapping, got {type(model_cfg).__name__}")
-
-
 def check_model_config(model_cfg: Any) -> None:
     """Raise ValueError naming the offending field unless `model_cfg` can be resolved; loads no weights."""
-    cfg = _as_dict(model_cfg)
+    cfg = as_plain_dict(model_cfg, "model")
     source = cfg.get("source")
     if source not in SOURCES:
         raise ValueError(f"model.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
@@ -159,7 +145,7 @@ def check_shape(config, shape: Mapping | None, name: str) -> None:
 def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
     """(model, tokenizer) for `model_cfg`, in eval mode on `device` with `dtype` (both default to the config's)."""
     check_model_config(model_cfg)
-    cfg = _as_dict(model_cfg)
+    cfg = as_plain_dict(model_cfg, "model")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.get("dtype", "auto"), device)
     source, model_id = cfg["source"], cfg.get("id")

@@ -27,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .packing import concat_documents, is_held_out, pack
-from .sources import as_dict, check_data_config, corpus_fingerprint, iter_documents
+from ..confutil import as_plain_dict
+from .sources import check_data_config, corpus_fingerprint, iter_documents
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True
 def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData:
     """Tokenize (or load from cache), split by document and pack `data_cfg` for `tokenizer`."""
     check_data_config(data_cfg)
-    cfg = as_dict(data_cfg)
+    cfg = as_plain_dict(data_cfg, "data")
     name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
     separator = resolve_separator(cfg, tokenizer)
     tensors, path, hit = load_or_tokenize(cfg, tokenizer, separator, cache=cache)

@@ -19,29 +19,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..confutil import as_plain_dict
+
 SOURCES = ("asset", "local", "hub")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
-def as_dict(cfg: Any) -> dict:
-    if isinstance(cfg, Mapping):
-        try:
-            from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
-
-            if isinstance(cfg, DictConfig):
-                try:
-                    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-                except MissingMandatoryValue as e:
-                    raise ValueError(f"data.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
-        except ImportError:
-            pass
-        return dict(cfg)
-    raise ValueError(f"data config must be a mapping, got {type(cfg).__name__}")
-
-
 def check_data_config(data_cfg: Any) -> None:
     """Raise ValueError naming the field unless `data_cfg` can be read; reads no documents."""
-    cfg = as_dict(data_cfg)
+    cfg = as_plain_dict(data_cfg, "data")
     source = cfg.get("source")
     if source not in SOURCES:
         raise ValueError(f"data.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
@@ -163,7 +149,7 @@ def corpus_fingerprint(cfg: dict) -> dict:
 
 def iter_documents(data_cfg: Any) -> Iterator[str]:
     """The documents of `data_cfg`, in a fixed order (limits are applied by the caller)."""
-    cfg = as_dict(data_cfg)
+    cfg = as_plain_dict(data_cfg, "data")
     if cfg["source"] == "asset":
         from ..assets import asset_documents
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..data.sources import check_data_config
 from ..mla.spec import MLASpec, ModelShape
+from ..models import check_model_config
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 KV_BACKENDS = {"hqq": (1, 2, 3, 4, 8), "quanto": (2, 4)}
@@ -52,8 +54,8 @@ def validate(cfg: DictConfig) -> RunPlan:
         )
     except Exception as err:  # missing keys, None, wrong types
         raise ConfigError(f"model.shape: incomplete shape facts for model {cfg.model.get('name')!r}: {err}") from err
-    _check_model_source(cfg.model)
-    _check_data_source(cfg.data)
+    _check_source("model", check_model_config, cfg.model)
+    _check_source("data", check_data_config, cfg.data)
 
     spec = None
     if cfg.variant == "mla":
@@ -89,24 +91,13 @@ def validate(cfg: DictConfig) -> RunPlan:
     return RunPlan(variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, kv_quant=kv_quant)
 
 
-def _check_data_source(data_cfg: DictConfig) -> None:
-    from ..data.sources import check_data_config
-
+def _check_source(group: str, check, cfg_group: DictConfig) -> None:
+    """Run a layer's own config check (models, data); report its error under the group's name."""
     try:
-        check_data_config(data_cfg)
+        check(cfg_group)
     except ValueError as err:
         message = str(err)
-        raise ConfigError(message if message.startswith("data") else f"data: {message}") from err
-
-
-def _check_model_source(model_cfg: DictConfig) -> None:
-    from ..models import check_model_config
-
-    try:
-        check_model_config(model_cfg)
-    except ValueError as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith("model") else f"model: {message}") from err
+        raise ConfigError(message if message.startswith(group) else f"{group}: {message}") from err
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",

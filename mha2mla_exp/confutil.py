@@ -1,0 +1,20 @@
+"""Config mappings as plain dicts, with a missing value reported under its config group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+
+def as_plain_dict(cfg: Any, group: str) -> dict:
+    """`cfg` (a DictConfig, resolved, or any mapping) as a dict; ValueError naming `group.key` on a ??? value."""
+    if isinstance(cfg, DictConfig):
+        try:
+            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as e:
+            raise ValueError(f"{group}.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise ValueError(f"{group} config must be a mapping, got {type(cfg).__name__}")
