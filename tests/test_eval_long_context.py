@@ -65,7 +65,7 @@ def test_passkey_scoring_and_record(tiny, texts):
     assert set(scores) == {"passkey@400", "passkey@480", "avg"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     assert set(meta["by_depth"]["passkey@400"]) == {"0.0", "1.0"}
-    assert math.isfinite(ppl["longdoc@256"]) and ppl["longdoc@256"] > 1
+    assert math.isfinite(ppl["longdoc@256"]) and ppl["longdoc@256"] > 1 and len(meta["ppl_sources"]) == 2
     assert lm.kv_meter.calls == 4
     with pytest.raises(ValueError, match="exceeds the evaluation window"):
         evaluate_long_context(EvalLM(model, tokenizer, window=256), tokenizer, cfg, texts=texts)

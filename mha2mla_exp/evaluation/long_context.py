@@ -3,8 +3,9 @@
 - passkey@L: a 5-digit pass key (after Mohtashami & Jaggi, 2023) hidden at several depths
   of real text; prompt + answer fit in L tokens; greedy; score 1 when the first number generated
   is the key. A generation task, so it runs on the (quantized) KV cache being evaluated.
-- long-document perplexity @L: the first L-1 tokens of held-out speeches, scored in one window
-  (lm-eval's loglikelihood_rolling), reported as token perplexity.
+- long-document perplexity @L: the first L-1 tokens of the most recent speeches, scored in one
+  window (lm-eval's loglikelihood_rolling), reported as token perplexity. These speeches may sit in
+  a SOTU fine-tuning split: compare only models fine-tuned on the same data (the record names them).
 
 Docs are built with the evaluated model's tokenizer (lengths are in its tokens), written as jsonl
 next to generated task YAMLs, and are a pure function of (tokenizer, texts, config).
@@ -227,5 +228,6 @@ def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int 
         by_depth[f"passkey@{L}"] = {str(d): sum(v) / len(v) for d, v in sorted(cells.items())}
     meta = {"lengths": list(cfg.lengths), "depths": list(cfg.depths), "samples_per_depth": cfg.samples_per_depth,
             "seed": cfg.seed, "by_depth": by_depth, "ppl_lengths": list(cfg.ppl_lengths), "ppl_docs": cfg.ppl_docs,
-            "texts": "sotu asset" if cfg.texts is None else list(cfg.texts), "task_dir": str(folder)}
+            "texts": "sotu asset" if cfg.texts is None else list(cfg.texts), "task_dir": str(folder),
+            "ppl_sources": sorted({s["doc"]["source"] for t in ppl.values() for s in run.samples.get(t, [])})}
     return scores, perplexities, meta
