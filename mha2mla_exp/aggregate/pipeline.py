@@ -62,6 +62,17 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
     return Aggregate(records=records, runs=runs, tables=build_tables(runs), curves=training_curves(runs))
 
 
+PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "distill_token_passes", "convert_s", "distill_s",
+                      "train_s", "kv_mem_change_pct", "heldout_ppl")
+
+
+def perplexity_view(runs):
+    """Every ok run with its held-out perplexity and the compute it took, grouped by experiment."""
+    ok = runs[runs["status"] == "ok"] if len(runs) else runs
+    columns = [c for c in PERPLEXITY_COLUMNS if c in runs.columns]
+    return ok.loc[:, columns].sort_values(["experiment", "label"]).reset_index(drop=True)
+
+
 def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     """tables/<table>.{csv,md,tex}, plots/<plot>.{png,pdf} and runs.csv under `out_dir`."""
     out_dir = Path(out_dir)
@@ -73,6 +84,11 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
         written += write_table(table, out_dir / "tables", name, spec.title, note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
+    view = perplexity_view(aggregate.runs)
+    written += write_table(view, out_dir / "tables", "perplexity",
+                           "Held-out perplexity and the compute behind it, every ok run",
+                           "heldout_ppl on the data's held-out split (whole documents never trained on); "
+                           "seconds are wall-clock on the run's machine (see runs.csv / results.json).")
     runs_csv = out_dir / "runs.csv"
     # every run, also those left out of the tables (status != ok), so failures stay visible
     aggregate.runs.assign(in_tables=aggregate.runs["status"] == "ok").to_csv(runs_csv, index=False)

@@ -182,6 +182,12 @@ def canonical_run(record: dict) -> dict:
         "train_tokens": _as_int(train_tokens),
         "kv_mem_change_pct": _get(record, "kv.mem_change_pct"),
         "eval_limit": _get(record, "eval.commonsense.limit"),
+        # compute spent and the cheap always-on score, for the recovery view
+        "heldout_ppl": _get(record, "eval.perplexity.heldout"),
+        "distill_token_passes": _as_int(_get(record, "distill.token_passes")),
+        "convert_s": _get(record, "timings.convert_s"),
+        "distill_s": _get(record, "timings.distill_s"),
+        "train_s": _get(record, "timings.train_s"),
     }
     for task in COMMONSENSE:
         row[task] = _points(_get(record, f"eval.commonsense.{task}"))
@@ -212,7 +218,7 @@ def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
     """The canonical frame of a flat frame, one row per run, in the same order."""
     rows = [canonical_run({k: v for k, v in rec.items()}) for rec in flat.to_dict("records")]
     frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=list(canonical_run({}).keys()))
-    for column in ("r", "d_kv", "train_tokens", "head_dim"):
+    for column in ("r", "d_kv", "train_tokens", "head_dim", "distill_token_passes"):
         frame[column] = pd.array(frame[column], dtype="Int64")
     return frame
 
@@ -232,6 +238,8 @@ def variant_label(row) -> str:
         text = str(method)
     if isinstance(row.get("options"), str):
         text += f" ({row['options']})"
+    if not pd.isna(row.get("distill_token_passes", None)):
+        text += " + layer-wise distillation"
     if row.get("precision") not in (None, "BF16"):
         text += f" {row['precision']}"
     return f"{row['ours_model']}: {text}"
