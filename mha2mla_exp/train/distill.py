@@ -51,13 +51,24 @@ def capture_attention_io(teacher: nn.Module, batches: list[torch.Tensor]) -> lis
     return captured
 
 
+def _rel_mse(attn: nn.Module, io: dict) -> torch.Tensor:
+    out, _ = attn(hidden_states=io["hidden_states"], position_embeddings=io["position_embeddings"],
+                  attention_mask=io["attention_mask"])
+    return (out - io["target"]).pow(2).mean() / io["target"].pow(2).mean()
+
+
+@torch.no_grad()
+def _block_error(attn: nn.Module, captured: list[list[dict]], layer: int) -> float:
+    return sum(_rel_mse(attn, batch[layer]).item() for batch in captured) / len(captured)
+
+
 def distill_attention_layers(
     teacher: nn.Module,
     student: nn.Module,
     batches: list[torch.Tensor],
     *,
     epochs: int = 4,
-    lr: float = 1e-3,
+    lr: float = 1e-4,
     weight_decay: float = 0.0,
     on_log=None,
 ) -> dict:
@@ -73,25 +84,25 @@ def distill_attention_layers(
         attn = student.model.layers[i].self_attn
         params = [p for p in attn.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-        first = last = None
-        for epoch in range(epochs):
-            total = 0.0
+        # linear warm-up over the first epoch: Adam's first full-size steps would wreck pretrained weights
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / len(captured)))
+        before = _block_error(attn, captured, i)
+        start_state = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+        for _ in range(epochs):
             for batch in captured:
-                io = batch[i]
-                out, _ = attn(hidden_states=io["hidden_states"], position_embeddings=io["position_embeddings"],
-                              attention_mask=io["attention_mask"])
-                loss = (out - io["target"]).pow(2).mean() / io["target"].pow(2).mean()
+                loss = _rel_mse(attn, batch[i])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                total += loss.item()
-            mean = total / len(captured)
-            first = mean if first is None else first
-            last = mean
-        per_layer.append({"layer": i, "first_rel_mse": first, "last_rel_mse": last})
+                warmup.step()
+        after = _block_error(attn, captured, i)
+        kept = after < before
+        if not kept:  # never leave a block worse on its own objective than the conversion made it
+            attn.load_state_dict(start_state)
+        per_layer.append({"layer": i, "rel_mse_before": before, "rel_mse_after": after, "kept": kept})
         if on_log:
-            on_log({"layer": i, "distill/first_rel_mse": first, "distill/last_rel_mse": last})
+            on_log({"layer": i, "distill/rel_mse_before": before, "distill/rel_mse_after": after})
     student.eval()
     seconds = time.perf_counter() - started
     return {
