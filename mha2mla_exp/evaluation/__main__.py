@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import shlex
@@ -85,6 +86,7 @@ def markdown(result: dict) -> str:
                   "| row | MMLU | ARC | PIQA | HS | OBQA | WG | Avg | ARC-E | ARC-C |", "|---|" + "---:|" * 9,
                   f"| ours | " + " | ".join(_pp(cs.get(c)) for c in cols) + f" | {_pp(cs.get('arc_easy'))} | "
                   f"{_pp(cs.get('arc_challenge'))} |"]
+        lines.append("| ± binomial s.e. | " + " | ".join(_pp(x) for x in _stderrs(cs, meta["n_docs"], cols)) + " | | |")
         for label, row in _reference_rows():
             lines.append(f"| {label} | " + " | ".join(row.get(c, "") for c in cols) + " | | |")
         lines += ["", "Docs evaluated: " + ", ".join(f"{k} {v}/{meta['n_total'][k]}" for k, v in meta["n_docs"].items()), ""]
@@ -113,6 +115,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _stderrs(cs: dict, n: dict, cols) -> list:
+    """Binomial standard errors of the sampled scores (ARC and Avg propagated as the means they are)."""
+    se = {c: math.sqrt(cs[c] * (1 - cs[c]) / n[c]) for c in n if c in cs}
+    if "arc_easy" in se and "arc_challenge" in se:
+        se["arc"] = 0.5 * math.hypot(se["arc_easy"], se["arc_challenge"])
+    six = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+    if all(c in se for c in six):
+        se["avg"] = math.sqrt(sum(se[c] ** 2 for c in six)) / 6
+    return [se.get(c) for c in cols]
+
+
 def _reference_rows():
     """The paper's original 135M SmolLM row (v1 Table 1), and the published SmolLM2-135M figures."""
     path = Path(__file__).resolve().parents[1] / "reference" / "paper_v1_commonsense.csv"
@@ -129,7 +142,8 @@ def _reference_rows():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mha2mla_exp.evaluation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="conf/model/<name>.yaml or a path to such a file")
+    p.add_argument("--model", help="conf/model/<name>.yaml or a path to such a file")
+    p.add_argument("--render", action="store_true", help="only re-render <out>/result.md from <out>/result.json")
     p.add_argument("--eval", default="default", help="conf/eval/<name>.yaml or a path (default: default)")
     p.add_argument("--suite", choices=SUITES, help="run only this suite of the eval config")
     p.add_argument("--limit", type=int, help="docs per task of --suite (default commonsense)")
@@ -142,6 +156,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", required=True, help="output folder for result.json and result.md")
     args = p.parse_args(argv)
+    if args.render:  # re-write result.md from an existing result.json
+        result = json.loads((Path(args.out) / "result.json").read_text())
+        (Path(args.out) / "result.md").write_text(markdown(result) + "\n")
+        return 0
 
     import torch
 
@@ -150,6 +168,8 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.model:
+        p.error("--model is required")
     eval_cfg = build_eval_cfg(args)
     parse_eval_config(eval_cfg)  # fail before loading anything
     model_cfg = _conf("model", args.model)
