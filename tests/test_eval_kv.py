@@ -61,6 +61,7 @@ def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantiz
     assert kv["ratio_nominal"] < kv["ratio_measured"] < plain["ratio_measured"]
     assert kv["bytes_per_token_mha"] == 2 * 2 * 32 * 2 * 4  # K and V, 2 KV heads x 32 dims, 2 layers, fp32
     assert kv["mem_change_pct"] == pytest.approx(100 * (kv["ratio_measured"] - 1))
+    assert kv["ratio_nominal_paper"] == pytest.approx(kv["ratio_nominal"] * 2)  # BF16 vs this fp32 baseline
     assert 0.0 <= out["long_context"]["passkey@480"] <= 1.0
     assert "loglikelihood" in kv["note"]
 
@@ -81,6 +82,7 @@ def test_unquantized_caches_and_nominal_ratios(models, unquantized):
     assert mla["ratio_nominal"] == pytest.approx(0.25)
     assert nominal_ratio(by_kind["mla"], KVQuant(nbits=4)) == pytest.approx(0.25 * 4 / 32)  # fp32 model
     assert nominal_ratio(by_kind["original"], KVQuant(nbits=2)) == pytest.approx(2 / 32)
+    assert nominal_ratio(by_kind["original"], KVQuant(nbits=4), baseline_bits=16) == pytest.approx(0.25)  # the paper's -75%
     assert unquantized["mla"]["perplexity"]["heldout"] > 1
 
 

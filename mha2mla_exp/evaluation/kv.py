@@ -100,11 +100,12 @@ def mha_bytes_per_token(model) -> int:
     return 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * elem
 
 
-def nominal_ratio(model, kv_quant: KVQuant | None) -> float:
-    """Cache size over the original model's cache at the same dtype, by formula.
+def nominal_ratio(model, kv_quant: KVQuant | None, baseline_bits: int | None = None) -> float:
+    """Cache size over the original model's cache, by formula, with that cache at `baseline_bits`
+    (default: the model's dtype, the baseline the measurement uses).
 
-    MLA: (2r + d_kv) / (2 d_h) (METHOD.md); quantization multiplies by nbits / dtype bits (the paper's
-    x1/4 for int4 over BF16). Residual tokens and quantization scales are not in the formula.
+    MLA: (2r + d_kv) / (2 d_h) (METHOD.md); quantization multiplies by nbits / baseline bits (the
+    paper's x1/4 for int4 over BF16). Residual tokens and quantization scales are not in the formula.
     """
     ratio = 1.0
     if is_mla(model):
@@ -112,7 +113,7 @@ def nominal_ratio(model, kv_quant: KVQuant | None) -> float:
         spec = MLASpec(rope=mla["rope"], r=int(mla["r"]), svd=mla["svd"], d_kv=mla.get("d_kv"))
         ratio = kv_ratio(ModelShape.from_config(model.config), spec)
     if kv_quant is not None:
-        bits = 8 * torch.empty((), dtype=model.dtype).element_size()
+        bits = baseline_bits or 8 * torch.empty((), dtype=model.dtype).element_size()
         ratio *= kv_quant.nbits / bits
     return ratio
 
@@ -127,6 +128,9 @@ def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
         "bytes_per_token_mha": mha,
         "ratio_measured": ratio,
         "ratio_nominal": nominal_ratio(model, kv_quant),
+        # the paper's "KV memory" convention: the baseline cache in BF16 (differs from the above for
+        # quantized caches of a model run in fp32)
+        "ratio_nominal_paper": nominal_ratio(model, kv_quant, baseline_bits=16),
         "mem_change_pct": None if ratio is None else 100.0 * (ratio - 1.0),
         "dtype": str(model.dtype).removeprefix("torch."),
         "cache": ("quantized latent" if is_mla(model) else "transformers QuantizedCache")
