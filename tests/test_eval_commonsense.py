@@ -3,7 +3,6 @@ aggregation; deterministic doc samples; MLA models through HFLM; clear config er
 
 import glob
 import json
-import math
 import os
 import subprocess
 import sys
@@ -153,16 +152,14 @@ def test_missing_offline_data_is_a_clear_error(tiny, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=False, reason="PIQA is 0.35 on this fixed 20-doc sample while the 500-doc run gives 0.632 "
-                   "(results/eval/smollm2-135m/commonsense_limit500): 20 docs are too few for a 0.5 threshold; "
-                   "the sample should grow or the check change (issue 5)")
-def test_smollm2_offline_commonsense_short():
-    """The real model on the real offline data, 20 docs per task and 1 per MMLU subject: sane scores."""
+def test_smollm2_arc_challenge_matches_an_independent_lm_eval_run():
+    """The real model on the real offline data, all 299 ARC-Challenge docs: acc_norm 0.314, the value an
+    independent run of lm-eval measured on the same data (OFFLINE_ASSETS.md) and our 500-doc run
+    recorded (results/eval/smollm2-135m/commonsense_limit500). Deterministic, no sampling error."""
     from mha2mla_exp.models import load_model
 
     model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
     scores, meta = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=16),
-                                        CommonsenseConfig(limit=20, mmlu_limit=1))
-    assert meta["n_docs"]["mmlu"] == 57 and meta["n_docs"]["hellaswag"] == 20
-    assert all(0.0 <= scores[k] <= 1.0 for k in ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande"))
-    assert scores["piqa"] > 0.5 and not math.isnan(scores["avg"])
+                                        CommonsenseConfig(tasks=("arc_challenge",)))
+    assert meta["n_docs"]["arc_challenge"] == 299
+    assert scores["arc_challenge"] == pytest.approx(0.314, abs=5e-4)
