@@ -1,10 +1,12 @@
-"""The perplexity/compute view lists every ok run, and only those, with the compute columns."""
+"""The perplexity/compute view lists every ok run, and only those, with the compute columns; the recovery plot."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+
+import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
 from mha2mla_exp.aggregate.pipeline import PERPLEXITY_COLUMNS, perplexity_view
@@ -30,3 +32,41 @@ def test_perplexity_view_has_ok_runs_with_compute(tmp_path):
     assert len(row) == 1
     assert row["distill_token_passes"].iloc[0] == 1024
     assert row["label"].iloc[0].endswith("+ layer-wise distillation")
+
+
+def _recovery_run(root: Path, name: str, *, ppl: float, avg: float | None, train: dict | None,
+                  distill: dict | None, probes: list[dict] = ()) -> None:
+    base = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
+    base.update(run_name=name, experiment="recovery", status="ok", train=train, distill=distill)
+    base["mla"].update(svd="joint", init="activation")
+    base["eval"] = {"perplexity": {"heldout": ppl}, "commonsense": {"avg": avg} if avg is not None else {}}
+    base["timings"] = {"train_s": (train or {}).get("seconds"), "distill_s": (distill or {}).get("seconds")}
+    (root / name).mkdir(parents=True)
+    (root / name / "results.json").write_text(json.dumps(base))
+    (root / name / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
+
+
+def test_recovery_plot_puts_distillation_compute_first(tmp_path):
+    runs = tmp_path / "runs"
+    _recovery_run(runs, "ft", ppl=160.0, avg=0.30, train={"tokens": 8192, "seconds": 60.0}, distill=None,
+                  probes=[{"step": 0, "tokens": 0, "elapsed_s": 0.0, "heldout_ppl_probe": 200.0},
+                          {"step": 2, "tokens": 4096, "elapsed_s": 30.0, "heldout_ppl_probe": 170.0, "loss": 5.0},
+                          {"step": 4, "tokens": 8192, "elapsed_s": 60.0, "heldout_ppl_probe": 160.0}])
+    _recovery_run(runs, "distill", ppl=150.0, avg=0.31, train=None, distill={"token_passes": 1000, "seconds": 10.0})
+    _recovery_run(runs, "both", ppl=120.0, avg=0.33, train={"tokens": 8192, "seconds": 60.0},
+                  distill={"token_passes": 1000, "seconds": 10.0},
+                  probes=[{"step": 0, "tokens": 0, "elapsed_s": 0.0, "heldout_ppl_probe": 150.0},
+                          {"step": 4, "tokens": 8192, "elapsed_s": 60.0, "heldout_ppl_probe": 120.0}])
+    aggregate = build_aggregate([runs])
+    assert len(aggregate.probes) == 5
+    figure = aggregate.figures()["recovery_curves"]
+    ppl_seconds, ppl_tokens, avg_seconds, _ = figure.axes
+    markers = {l.get_label(): (list(l.get_xdata()), list(l.get_ydata()))
+               for l in ppl_seconds.lines if l.get_marker() == "o"}
+    assert markers == {"d_kv=16: fine-tune": ([60.0], [160.0]), "d_kv=16: distillation": ([10.0], [150.0]),
+                       "d_kv=16: distillation → fine-tune": ([70.0], [120.0])}
+    curves = sorted((list(l.get_xdata()), list(l.get_ydata())) for l in ppl_tokens.lines if l.get_marker() != "o")
+    assert curves == [([0.0, 4096.0, 8192.0], [200.0, 170.0, 160.0]), ([1000.0, 9192.0], [150.0, 120.0])]
+    assert {l.get_label(): list(l.get_ydata()) for l in avg_seconds.lines} == {
+        "d_kv=16: fine-tune": [pytest.approx(30.0)], "d_kv=16: distillation": [pytest.approx(31.0)],
+        "d_kv=16: distillation → fine-tune": [pytest.approx(33.0)]}

@@ -102,6 +102,9 @@ def test_main_table_uses_each_models_three_d_kv():
         (["model.source=local", "model.id=/nonexistent/model"], "model"),
         (["model.source=asset", "model.id=no-such-asset"], "model"),
         (["model.shape.head_dim=null"], "model.shape"),
+        (["eval.commonsense.tasks=[piqa,siqa]"], "eval.commonsense"),
+        (["+eval.commonsense.limt=5"], "eval.commonsense"),
+        (["eval.longbench.enabled=true", "+eval.longbench.subsets=[narrativeqa,no_such_subset]"], "eval"),
     ],
 )
 def test_bad_configs_fail_before_loading_with_the_field_named(overrides, field):

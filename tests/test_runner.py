@@ -80,6 +80,22 @@ def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
     assert not (run_dir / "checkpoint").exists()
 
 
+def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):
+    extra = ("train.tokens=4096", "train.log_every=1")
+    plain = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra))
+    cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra, "train.eval_every=3", "train.eval_batches=1")
+    probed = run(cfg)
+    assert probed["status"] == plain["status"] == "ok"
+    assert probed["train"]["final_loss"] == pytest.approx(plain["train"]["final_loss"], abs=1e-6)
+    rows = [json.loads(line) for line in (run_dir_for(cfg, validate(cfg)) / "metrics.jsonl").read_text().splitlines()]
+    probes = [r for r in rows if "heldout_ppl_probe" in r]
+    steps = probed["train"]["steps"]
+    assert [r["step"] for r in probes] == sorted({0, *range(3, steps + 1, 3), steps})  # before, every 3, last
+    assert all(r["heldout_ppl_probe"] > 1 for r in probes)
+    assert probes[0]["heldout_ppl_probe"] != pytest.approx(probes[-1]["heldout_ppl_probe"])
+    assert [r["elapsed_s"] for r in probes] == sorted(r["elapsed_s"] for r in probes)
+
+
 def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "train.lr=5.0", "train.warmup_steps=0",
                     "train.divergence_factor=1.05", "train.tokens=8192")

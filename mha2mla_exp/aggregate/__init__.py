@@ -8,12 +8,13 @@ CLI: `python -m mha2mla_exp.aggregate [RUN_DIRS...] [--out DIR] [--wandb-project
 """
 
 from .pipeline import Aggregate, build_aggregate, results_root, write_aggregate
-from .plots import kv_memory_vs_avg, long_context_vs_length, loss_curves, save_figure, strategy_comparison
+from .plots import (kv_memory_vs_avg, long_context_vs_length, loss_curves, recovery_curves, save_figure,
+                    strategy_comparison)
 from .records import canonical_runs, load_runs, training_curves
 from .tables import TABLES, build_tables
 
 __all__ = [
     "Aggregate", "build_aggregate", "write_aggregate", "results_root", "TABLES", "build_tables",
     "load_runs", "canonical_runs", "training_curves", "kv_memory_vs_avg", "strategy_comparison",
-    "loss_curves", "long_context_vs_length", "save_figure",
+    "loss_curves", "long_context_vs_length", "recovery_curves", "save_figure",
 ]

@@ -27,18 +27,20 @@ class Aggregate:
     runs: pd.DataFrame               # one row per run, in the tables' terms (scores in points)
     tables: dict[str, pd.DataFrame]  # "table1", "table2", "table3", "table5"
     curves: pd.DataFrame             # training loss per logged step, per run
+    probes: pd.DataFrame             # in-training held-out perplexity probes (train.eval_every), per run
 
     @property
     def n_ok(self) -> int:
         return int((self.runs["status"] == "ok").sum()) if len(self.runs) else 0
 
     def figures(self, models: list[str] | None = None) -> dict[str, Figure]:
-        """The four plots; `models` restricts the per-model ones to those paper model names."""
+        """The plots; `models` restricts the per-model ones to those paper model names."""
         return {
             "kv_memory_vs_avg": plots.kv_memory_vs_avg(self.tables["table1"], models),
             "strategy_comparison": plots.strategy_comparison(self.tables["table3"], models),
             "loss_curves": plots.loss_curves(self.curves),
             "long_context_vs_length": plots.long_context_vs_length(self.runs),
+            "recovery_curves": plots.recovery_curves(self.runs, self.probes),
         }
 
 
@@ -59,7 +61,8 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
         runs.insert(0, "label", runs.apply(variant_label, axis=1))
     else:
         runs.insert(0, "label", pd.Series(dtype=object))
-    return Aggregate(records=records, runs=runs, tables=build_tables(runs), curves=training_curves(runs))
+    return Aggregate(records=records, runs=runs, tables=build_tables(runs), curves=training_curves(runs),
+                     probes=training_curves(runs, "heldout_ppl_probe"))
 
 
 PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "distill_token_passes", "convert_s", "distill_s",

@@ -184,3 +184,76 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
         _empty_note(ax, "no long-context results")
     ax.grid(alpha=0.3)
     return figure
+
+
+def recovery_recipe(row) -> str:
+    """How a converted model was recovered: fine-tune, distillation, both, or neither."""
+    distilled = not pd.isna(row.get("distill_token_passes"))
+    tuned = not pd.isna(row.get("train_tokens")) and row.get("train_tokens", 0) > 0
+    return {(False, False): "conversion only", (False, True): "fine-tune", (True, False): "distillation",
+            (True, True): "distillation → fine-tune"}[(distilled, tuned)]
+
+
+def _compute_spent(frame: pd.DataFrame, seconds: pd.Series, tokens: pd.Series) -> pd.DataFrame:
+    """x coordinates: wall seconds and training tokens, distillation's included (it runs first)."""
+    return frame.assign(seconds=frame["distill_s"].fillna(0).astype(float) + seconds.fillna(0).astype(float),
+                        tokens_spent=frame["distill_token_passes"].fillna(0).astype(float)
+                        + tokens.fillna(0).astype(float))
+
+
+def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = "recovery") -> Figure:
+    """Held-out perplexity and commonsense Avg against the compute spent recovering a conversion, one series
+    per (d_kv, recipe): the in-training probe curves (`train.eval_every`) as lines, finished runs as markers.
+    Distillation's seconds and token passes come first on the x axes; references are dotted lines."""
+    figure = Figure(figsize=(11, 8))
+    axes = figure.subplots(2, 2)
+    ok = runs[(runs["status"] == "ok") & (runs["experiment"] == experiment)] if len(runs) else runs
+    converted = ok[ok["method"] == "partial_rope+svd"] if len(ok) else ok
+    if not len(converted):
+        for ax in axes.flat:
+            _empty_note(ax, f"no ok runs in experiment {experiment!r}")
+        return figure
+    converted = _compute_spent(converted.assign(recipe=converted.apply(recovery_recipe, axis=1)),
+                               converted["train_s"], converted["train_tokens"])
+    probe = probes[probes["run_dir"].isin(converted["run_dir"])] if len(probes) else probes
+    if len(probe):
+        probe = probe.merge(converted[["run_dir", "d_kv", "recipe", "distill_s", "distill_token_passes"]],
+                            on="run_dir")
+        probe = _compute_spent(probe, probe["elapsed_s"], probe["tokens"])
+    colors = {}
+    for (d_kv, recipe), group in converted.groupby(["d_kv", "recipe"], sort=True):
+        name = f"d_kv={d_kv}: {recipe}"
+        color = colors.setdefault(name, f"C{len(colors)}")
+        group = group.sort_values("seconds")
+        for col, x in enumerate(("seconds", "tokens_spent")):
+            axes[0, col].plot(group[x], group["heldout_ppl"], "o", color=color, label=name)
+            if group["avg"].notna().any():
+                axes[1, col].plot(group[x], group["avg"], "o-", color=color, label=name)
+        curves = probe[(probe["d_kv"] == d_kv) & (probe["recipe"] == recipe)] if len(probe) else probe
+        for _, curve in (curves.groupby("run_dir") if len(curves) else []):
+            for col, x in enumerate(("seconds", "tokens_spent")):
+                axes[0, col].plot(curve[x], curve["heldout_ppl_probe"], "-", color=color, alpha=0.7)
+    for _, ref in ok[ok["method"].isin(["original", "finetuned_full_attention"])].iterrows():
+        for col in range(2):
+            for row, value in ((0, ref["heldout_ppl"]), (1, ref["avg"])):
+                if not pd.isna(value):
+                    axes[row, col].axhline(value, ls=":", color="grey")
+                    axes[row, col].annotate(ref["label"].split(": ", 1)[-1], (0, value), xycoords=("axes fraction", "data"),
+                                            fontsize="x-small", color="grey", va="bottom")
+    for col, xlabel in enumerate(("compute: wall seconds (distillation + fine-tune)",
+                                  "tokens: fine-tune tokens + distillation token passes")):
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("held-out perplexity")
+        axes[1, col].set_ylabel(AVG_LABEL)
+        for row in range(2):
+            axes[row, col].set_xlabel(xlabel)
+            axes[row, col].grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axes[0, 0].legend(unique.values(), unique.keys(), fontsize="small")
+    if not axes[1, 0].lines:
+        for ax in axes[1]:
+            _empty_note(ax, "no commonsense scores in these runs")
+    figure.suptitle(f"Recovery of a converted model against compute (experiment {experiment!r})")
+    figure.tight_layout()
+    return figure

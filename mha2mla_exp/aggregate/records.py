@@ -78,9 +78,11 @@ def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
     return pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=["run_dir", "status"])
 
 
-def read_curve(run_dir: str | Path) -> pd.DataFrame:
-    """The training curve of one run from metrics.jsonl: rows that carry a loss, as step/tokens/loss."""
+def read_curve(run_dir: str | Path, metric: str = "loss") -> pd.DataFrame:
+    """One metric of one run from metrics.jsonl (rows that carry it) as step/tokens/elapsed_s/<metric>:
+    `loss` is the training curve, `heldout_ppl_probe` the in-training recovery probe."""
     path = Path(run_dir) / "metrics.jsonl"
+    columns = ["step", "tokens", "elapsed_s", metric]
     rows = []
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -90,21 +92,21 @@ def read_curve(run_dir: str | Path) -> pd.DataFrame:
                 row = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a crash must not hide the rest of the curve
-            if isinstance(row, dict) and row.get("loss") is not None:
-                rows.append({"step": row.get("step"), "tokens": row.get("tokens"), "loss": row["loss"]})
-    return pd.DataFrame(rows, columns=["step", "tokens", "loss"])
+            if isinstance(row, dict) and row.get(metric) is not None:
+                rows.append({c: row.get(c) for c in columns})
+    return pd.DataFrame(rows, columns=columns)
 
 
-def training_curves(runs: pd.DataFrame) -> pd.DataFrame:
-    """Every run's metrics.jsonl loss curve, tagged with the run's variant label and status."""
+def training_curves(runs: pd.DataFrame, metric: str = "loss") -> pd.DataFrame:
+    """Every run's metrics.jsonl curve of `metric`, tagged with the run's variant label and status."""
     frames = []
     for _, run in runs.iterrows():
         if not run.get("run_dir"):
             continue
-        curve = read_curve(run["run_dir"])
+        curve = read_curve(run["run_dir"], metric)
         if len(curve):
             frames.append(curve.assign(run_dir=run["run_dir"], label=variant_label(run), status=run["status"]))
-    columns = ["run_dir", "label", "status", "step", "tokens", "loss"]
+    columns = ["run_dir", "label", "status", "step", "tokens", "elapsed_s", metric]
     return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
 
 

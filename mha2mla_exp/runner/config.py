@@ -56,6 +56,7 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"model.shape: incomplete shape facts for model {cfg.model.get('name')!r}: {err}") from err
     _check_source("model", check_model_config, cfg.model)
     _check_source("data", check_data_config, cfg.data)
+    _check_eval(cfg.eval)
 
     spec = None
     if cfg.variant == "mla":
@@ -100,6 +101,17 @@ def _check_source(group: str, check, cfg_group: DictConfig) -> None:
         raise ConfigError(message if message.startswith(group) else f"{group}: {message}") from err
 
 
+def _check_eval(eval_cfg: DictConfig) -> None:
+    """The evaluation's own parser, run here so that a bad eval setting fails before fine-tuning, not after."""
+    from ..evaluation import parse_eval_config
+
+    try:
+        parse_eval_config(OmegaConf.to_container(eval_cfg, resolve=True))
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith("eval") else f"eval: {message}") from err
+
+
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
                 "init": "svd.init",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
@@ -138,6 +150,9 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
     return "__".join(str(p) for p in parts)
 
 
+_PROBE_KEYS = ("eval_every", "eval_batches")
+
+
 def config_hash(cfg: DictConfig, keys=("model", "data", "rope", "svd", "kv_quant", "train", "eval",
                                         "variant", "seed", "calibration", "distill")) -> str:
     """A short digest of everything that determines a run's numbers (not where it logs)."""
@@ -148,6 +163,8 @@ def config_hash(cfg: DictConfig, keys=("model", "data", "rope", "svd", "kv_quant
             relevant.pop(key, None)
     if relevant.get("variant") == "original":
         relevant.pop("train", None)
+    for key in _PROBE_KEYS:  # the in-training probe observes the run, it does not change its numbers
+        (relevant.get("train") or {}).pop(key, None)
     blob = json.dumps(relevant, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 

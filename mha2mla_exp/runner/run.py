@@ -119,6 +119,7 @@ def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
             record["train"] = finetune(
                 model, data.train, cfg.train, run_dir, seed=cfg.seed,
                 pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log, fail_at_step=fail_at_step,
+                periodic_eval=stages.heldout_probe(cfg, data),
             )
             if shared is not None:
                 shared.mkdir(parents=True, exist_ok=True)

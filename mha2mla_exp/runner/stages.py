@@ -69,6 +69,19 @@ def distill(cfg: DictConfig, teacher, student, data) -> dict:
     return distill_attention_layers(teacher, student, batches, epochs=d.epochs, lr=d.lr)
 
 
+def heldout_probe(cfg: DictConfig, data):
+    """The in-training recovery probe (`train.eval_every` > 0): held-out perplexity on the first
+    `train.eval_batches` batches of the held-out rows, the same rows for every run."""
+    if not cfg.train.get("eval_every"):
+        return None
+    from ..evaluation.perplexity import perplexity
+
+    batch_size = int(cfg.eval.get("perplexity", {}).get("batch_size", 8))
+    rows = data.held_out[: batch_size * int(cfg.train.get("eval_batches", 2))]
+    batches = [rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size)]
+    return lambda model: {"heldout_ppl_probe": perplexity(model, batches)}
+
+
 @torch.no_grad()
 def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     """Bytes per token actually held by the model's cache (latent or K/V, quantized or not) after a
@@ -82,6 +95,8 @@ def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     meter.record(cache, batch_size=1)
     record = kv_record(model, kv_quant, meter)
     record["measured_at_tokens"] = tokens.shape[1]
+    record["note"] = (f"cache_nbytes() after one prefill of {tokens.shape[1]} held-out tokens (quantization "
+                      "scales, group padding and residual full-precision tokens included)")
     return record
 
 

@@ -91,13 +91,16 @@ def finetune(
     seed: int,
     pretrain_tokens: float | None = None,
     on_log=None,
+    periodic_eval=None,
     fail_at_step: int | None = None,
 ) -> dict:
     """Fine-tune `model` in place; return the `train` block of the run record.
 
     Checkpoints go to `run_dir/checkpoint` every `checkpoint_every` steps; when one exists the loop
     resumes from it. `on_log(record)` receives each logged step (the runner appends it to
-    metrics.jsonl and W&B). `fail_at_step` simulates a crash (tests of resume).
+    metrics.jsonl and W&B). `periodic_eval(model) -> dict`, when given and `train.eval_every` > 0,
+    runs before the first step and every `eval_every` steps (a recovery curve within one run); its
+    time is excluded from `seconds`. `fail_at_step` simulates a crash (tests of resume).
     """
     cuda = torch.cuda.is_available()
     precision = train_cfg.precision
@@ -139,6 +142,24 @@ def finetune(
         log.info("resuming fine-tune from step %d/%d", step, budget.steps)
     batches = accelerator.skip_first_batches(loader, step * train_cfg.grad_accum) if step else loader
 
+    eval_every = int(train_cfg.get("eval_every") or 0) if periodic_eval else 0
+    eval_seconds = 0.0
+
+    def evaluate_now(at_step: int, elapsed_s: float) -> None:
+        nonlocal eval_seconds
+        t = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            result = periodic_eval(accelerator.unwrap_model(model))
+        model.train()
+        eval_seconds += time.perf_counter() - t
+        if on_log:
+            on_log({"step": at_step, "tokens": at_step * budget.tokens_per_step, "elapsed_s": round(elapsed_s, 3)}
+                   | result)
+
+    if eval_every and step == 0:
+        evaluate_now(0, 0.0)
+        eval_seconds = 0.0  # spent before `start`: not to be subtracted from the loop's time
     start = time.perf_counter()
     running, n_micro, last_loss = 0.0, 0, float("nan")
     bar = tqdm(total=budget.steps, initial=step, desc="fine-tune", unit="step", disable=not accelerator.is_main_process)
@@ -159,7 +180,7 @@ def finetune(
         step += 1
         last_loss, running, n_micro = running / n_micro, 0.0, 0
         first_loss = last_loss if first_loss is None else first_loss
-        elapsed = elapsed_before + time.perf_counter() - start
+        elapsed = elapsed_before + time.perf_counter() - start - eval_seconds
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}")
         if step % train_cfg.log_every == 0 or step == budget.steps:
@@ -171,12 +192,14 @@ def finetune(
             raise FineTuneDiverged(step, last_loss, "not finite")
         if last_loss > train_cfg.divergence_factor * first_loss:
             raise FineTuneDiverged(step, last_loss, f"above {train_cfg.divergence_factor} x first loss {first_loss:.3f}")
+        if eval_every and (step % eval_every == 0 or step == budget.steps):
+            evaluate_now(step, elapsed)
         if train_cfg.checkpoint_every and step % train_cfg.checkpoint_every == 0 and step < budget.steps:
             _save_checkpoint(accelerator, ckpt, step, first_loss, elapsed)
         if fail_at_step is not None and step == fail_at_step:
             raise RuntimeError(f"simulated crash at step {step}")
     bar.close()
-    seconds = elapsed_before + time.perf_counter() - start
+    seconds = elapsed_before + time.perf_counter() - start - eval_seconds
     model = accelerator.unwrap_model(model)
     throughput = step * budget.tokens_per_step / max(seconds, 1e-9)
     flops = _train_flops_per_token(model, train_cfg.seq_len) * throughput
