@@ -48,3 +48,21 @@ def tiny_model(request):
 def tokens():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 97, (2, 24), generator=g)
+
+
+TINY_BYTE_LM = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                          "rope_base": 10000, "context_length": 512},
+                "vocab_size": 320, "intermediate_size": 128, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, byte tokenizer): a tiny random Llama with a real tokenizer, for the evaluation tests;
+    one thread, so that lm-eval's batching is deterministic."""
+    from mha2mla_exp.models import build_random_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = build_random_model(TINY_BYTE_LM)
+    yield model.eval(), tokenizer
+    torch.set_num_threads(threads)

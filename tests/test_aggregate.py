@@ -209,7 +209,7 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
         assert "\\begin{tabular}" in latex and "nan" not in latex.lower().replace("narrativeqa", "")
     lines = [[c.strip() for c in l.split("|")[1:-1]] for l in (tmp_path / "tables/table1.md").read_text().splitlines()
              if l.startswith("|")]
-    header, rows = lines[0], [dict(zip(lines[0], l)) for l in lines[2:]]
+    rows = [dict(zip(lines[0], l)) for l in lines[2:]]
     dkv32 = next(r for r in rows if r["model"] == "135M SmolLM" and r["d_kv"] == "32")
     assert (dkv32["avg_ours"], dkv32["avg_paper"], dkv32["avg_delta_paper"], dkv32["n_runs"]) == ("", "43.06", "-1.19", "0")
 

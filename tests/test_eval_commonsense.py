@@ -15,11 +15,8 @@ from mha2mla_exp.evaluation.fixtures import commonsense_tree
 from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.run import parse_eval_config
 from mha2mla_exp.evaluation.tasks import sample_indices
-from mha2mla_exp.models import build_random_model
 
 SUBJECTS = ("anatomy", "astronomy")
-TINY = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,12 +32,6 @@ def _one_thread():
 def _task_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2MLA_EVAL_TASKS", str(tmp_path / "eval_tasks"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tokenizer = build_random_model(TINY)
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,6 @@ from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.long_context import (NEEDLE, PREFIX, QUESTION, LongContextConfig, evaluate_long_context,
                                                  load_texts, passkey_docs, ppl_docs)
 from mha2mla_exp.evaluation.perplexity import perplexity
-from mha2mla_exp.models import build_random_model
-
-TINY = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_random_model(TINY)
-    yield model.eval(), tokenizer
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):

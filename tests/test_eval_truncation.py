@@ -5,20 +5,6 @@ import torch
 from lm_eval.api.instance import Instance
 
 from mha2mla_exp.evaluation.lm import EvalLM, middle_truncate
-from mha2mla_exp.models import build_random_model
-
-TINY = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = build_random_model(TINY)
-    yield model.eval(), tokenizer
-    torch.set_num_threads(threads)
-
 
 def test_middle_truncate_keeps_head_and_tail():
     ids = list(range(10))
