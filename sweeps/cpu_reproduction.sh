@@ -4,6 +4,7 @@
 # tokens; the recovery experiment 32,768 tokens and the commonsense suite at 50 docs per task (eval=quick).
 # SVD rows start from activation-aware SVD (svd.init=activation): from the paper's weight SVD, 16k tokens
 # leave every row broken (ppl in the thousands) and the strategy comparison says nothing.
+# Table 5 runs r=8 and NoPE; its r=4 rows are Table 3's partial-RoPE rows (same budget); add *_r2 to the glob for r=2.
 # Usage: sweeps/cpu_reproduction.sh [recovery|table3|table1|table5|all] [extra overrides]
 set -euo pipefail
 what=${1:-all}; shift || true
@@ -25,9 +26,9 @@ if [[ $what == table3 || $what == all ]]; then
     svd.init=activation svd.sigma=sqrt "${ablation[@]}"                # sigma placement: sqrt vs up
 fi
 if [[ $what == table1 || $what == all ]]; then
-  python -m mha2mla_exp -m experiment=cpu_table1 svd.d_kv=8,32 svd.init=activation train.tokens=32768 \
-    train.eval_every=2 train.eval_batches=4 "${common[@]}"
+  # d_kv=16 at this budget is the recovery experiment's ft_32k run
+  python -m mha2mla_exp -m experiment=cpu_table1 svd.d_kv=8,32 svd.init=activation train.tokens=32768 "${common[@]}"
 fi
 if [[ $what == table5 || $what == all ]]; then
-  python -m mha2mla_exp +experiment=r_ablation experiment=cpu_table5 "+cells/table5=glob([*_r2,*_r8,none])" "${ablation[@]}"
+  python -m mha2mla_exp +experiment=r_ablation experiment=cpu_table5 "+cells/table5=glob([*_r8,none])" "${ablation[@]}"
 fi
