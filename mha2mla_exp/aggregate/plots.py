@@ -233,6 +233,14 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
         for _, curve in (curves.groupby("run_dir") if len(curves) else []):
             for col, x in enumerate(("seconds", "tokens_spent")):
                 axes[0, col].plot(curve[x], curve["heldout_ppl_probe"], "-", color=color, alpha=0.7)
+        start = converted[(converted["d_kv"] == d_kv) & (converted["recipe"] == "conversion only")]
+        if recipe.startswith("distillation") and len(start):
+            # distillation's own stretch: from the unrecovered conversion to the distilled model
+            for _, run in group.iterrows():
+                first = curves[curves["run_dir"] == run["run_dir"]].sort_values("step") if len(curves) else curves
+                after = first["heldout_ppl_probe"].iloc[0] if len(first) else run["heldout_ppl"]
+                for col, x in enumerate(("distill_s", "distill_token_passes")):
+                    axes[0, col].plot([0, run[x]], [start["heldout_ppl"].iloc[0], after], "--", color=color, alpha=0.7)
     for _, ref in ok[ok["method"].isin(["original", "finetuned_full_attention"])].iterrows():
         for col in range(2):
             for row, value in ((0, ref["heldout_ppl"]), (1, ref["avg"])):
