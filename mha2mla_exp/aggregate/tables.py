@@ -136,6 +136,9 @@ def _average_ours(ours: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
 def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     """One table from the canonical runs (`records.canonical_runs`) and the paper's rows for it."""
     ours = runs[(runs["status"] == "ok")] if len(runs) else runs
+    if len(ours) and "distill_token_passes" in ours:
+        # the paper's tables hold the paper's recipe; distilled runs are in the perplexity view and recovery plot
+        ours = ours[ours["distill_token_passes"].isna()]
     if len(ours):
         ours = ours[spec.select(ours)]
         measured = [c for c in list(spec.metrics) + list(spec.ours_extras) if c in ours]
