@@ -122,9 +122,10 @@ def _stderrs(cs: dict, n: dict, cols) -> list:
     se = {c: math.sqrt(cs[c] * (1 - cs[c]) / n[c]) for c in n if c in cs}
     if "arc_easy" in se and "arc_challenge" in se:
         se["arc"] = 0.5 * math.hypot(se["arc_easy"], se["arc_challenge"])
-    six = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
-    if all(c in se for c in six):
-        se["avg"] = math.sqrt(sum(se[c] ** 2 for c in six)) / 6
+    from .commonsense import AVG_COLUMNS
+
+    if all(c in se for c in AVG_COLUMNS):
+        se["avg"] = math.sqrt(sum(se[c] ** 2 for c in AVG_COLUMNS)) / len(AVG_COLUMNS)
     return [se.get(c) for c in cols]
 
 

@@ -74,7 +74,8 @@ def parse_eval_config(eval_cfg: Mapping | None) -> dict:
     return out
 
 
-def _held_out_batches(held_out, batch_size: int):
+def held_out_batches(held_out, batch_size: int):
+    """Token rows `[N, T]` (or `[T]`) as batches of `batch_size` rows; an iterable of batches passes through."""
     if isinstance(held_out, torch.Tensor):
         rows = held_out if held_out.dim() == 2 else held_out.unsqueeze(0)
         return [rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size)]
@@ -110,7 +111,7 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
             log.warning("eval.perplexity is enabled but no held-out tokens were given: skipped")
             out["perplexity"]["heldout"] = None
         else:
-            out["perplexity"]["heldout"] = perplexity(model, _held_out_batches(held_out, p["batch_size"]),
+            out["perplexity"]["heldout"] = perplexity(model, held_out_batches(held_out, p["batch_size"]),
                                                       max_batches=p["max_batches"])
         timings["perplexity"] = round(time.perf_counter() - t, 2)
     if cfg["commonsense"] is not None:

@@ -75,10 +75,10 @@ def heldout_probe(cfg: DictConfig, data):
     if not cfg.train.get("eval_every"):
         return None
     from ..evaluation.perplexity import perplexity
+    from ..evaluation.run import held_out_batches
 
     batch_size = int(cfg.eval.get("perplexity", {}).get("batch_size", 8))
-    rows = data.held_out[: batch_size * int(cfg.train.get("eval_batches", 2))]
-    batches = [rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size)]
+    batches = held_out_batches(data.held_out, batch_size)[: int(cfg.train.get("eval_batches", 2))]
     return lambda model: {"heldout_ppl_probe": perplexity(model, batches)}
 
 

@@ -143,23 +143,22 @@ def finetune(
     batches = accelerator.skip_first_batches(loader, step * train_cfg.grad_accum) if step else loader
 
     eval_every = int(train_cfg.get("eval_every") or 0) if periodic_eval else 0
-    eval_seconds = 0.0
 
-    def evaluate_now(at_step: int, elapsed_s: float) -> None:
-        nonlocal eval_seconds
+    def evaluate_now(at_step: int, elapsed_s: float) -> float:
+        """Run the probe, log it; return the seconds it took (kept out of the training time)."""
         t = time.perf_counter()
         model.eval()
         with torch.no_grad():
             result = periodic_eval(accelerator.unwrap_model(model))
         model.train()
-        eval_seconds += time.perf_counter() - t
         if on_log:
             on_log({"step": at_step, "tokens": at_step * budget.tokens_per_step, "elapsed_s": round(elapsed_s, 3)}
                    | result)
+        return time.perf_counter() - t
 
     if eval_every and step == 0:
         evaluate_now(0, 0.0)
-        eval_seconds = 0.0  # spent before `start`: not to be subtracted from the loop's time
+    eval_seconds = 0.0  # probe time inside the loop below
     start = time.perf_counter()
     running, n_micro, last_loss = 0.0, 0, float("nan")
     bar = tqdm(total=budget.steps, initial=step, desc="fine-tune", unit="step", disable=not accelerator.is_main_process)
@@ -193,7 +192,7 @@ def finetune(
         if last_loss > train_cfg.divergence_factor * first_loss:
             raise FineTuneDiverged(step, last_loss, f"above {train_cfg.divergence_factor} x first loss {first_loss:.3f}")
         if eval_every and (step % eval_every == 0 or step == budget.steps):
-            evaluate_now(step, elapsed)
+            eval_seconds += evaluate_now(step, elapsed)
         if train_cfg.checkpoint_every and step % train_cfg.checkpoint_every == 0 and step < budget.steps:
             _save_checkpoint(accelerator, ckpt, step, first_loss, elapsed)
         if fail_at_step is not None and step == fail_at_step:
