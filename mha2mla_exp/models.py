@@ -169,6 +169,53 @@ def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtyp
     return model, tokenizer
 
 
+def load_tokenizer(model_cfg: Any):
+    """The tokenizer of `model_cfg` alone (no weights are read)."""
+    from transformers import AutoTokenizer
+
+    check_model_config(model_cfg)
+    cfg = as_plain_dict(model_cfg, "model")
+    source, model_id = cfg["source"], cfg.get("id")
+    if source == "random":
+        return byte_tokenizer(model_max_length=int(cfg["shape"]["context_length"]))
+    if source == "hub":
+        return AutoTokenizer.from_pretrained(model_id, revision=cfg.get("revision"))
+    if source == "asset":
+        from .assets import model_dir
+
+        return AutoTokenizer.from_pretrained(model_dir(model_id), local_files_only=True)
+    return AutoTokenizer.from_pretrained(Path(model_id).expanduser(), local_files_only=True)
+
+
+def probe_architecture(model_cfg: Any) -> tuple[str | None, list[str]]:
+    """The model's `model_type` from its config.json alone (no weights), and notes on what could not be read.
+
+    Local folders and offline assets are read from disk; a hub id asks the hub for config.json when it is
+    reachable, else the architecture is unknown until the download (a note says so).
+    """
+    cfg = as_plain_dict(model_cfg, "model")
+    source, model_id = cfg["source"], cfg.get("id")
+    if source == "random":
+        return "llama", []
+    if source == "local":
+        import json
+
+        return json.loads((Path(model_id).expanduser() / "config.json").read_text()).get("model_type"), []
+    if source == "asset":
+        from .assets import get_asset
+
+        return get_asset(model_id, kind="model").model_type, []
+    if hub_offline():
+        return None, [f"model.id {model_id!r}: architecture not checked (HF_HUB_OFFLINE); unknown until download"]
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, revision=cfg.get("revision")).model_type, []
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None, [f"model.id {model_id!r}: architecture not checked ({first}); unknown until download"]
+
+
 def _load_folder(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,7 +224,7 @@ def _load_folder(folder: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     try:
         from huggingface_hub import constants
 
@@ -197,7 +244,7 @@ def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str
         why = (
             "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold "
             "this model."
-            if _hub_offline()
+            if hub_offline()
             else "The Hugging Face hub is unreachable from this machine, or the id is wrong, or the model is "
             "gated (Llama-2 needs an accepted licence and `hf auth login`)."
         )

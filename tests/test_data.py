@@ -239,7 +239,7 @@ def fake_hub(monkeypatch, n=4000):
     """datasets.load_dataset serving local iterable datasets with each hub part's column layout."""
     import datasets
 
-    def load_dataset(path, name=None, split=None, streaming=False, revision=None):
+    def load_dataset(path, name=None, split=None, streaming=False, revision=None, **kwargs):
         assert streaming and split == "train"
         key = name or path
 
@@ -256,11 +256,16 @@ def fake_hub(monkeypatch, n=4000):
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     monkeypatch.setattr(sources, "software_heritage_text", lambda blob: f"python-edu code {blob}")
+    monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)
+
+
+def smollm_corpus() -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"), resolve=True)
 
 
 def test_hub_mixture_follows_the_weights_and_text_fields(monkeypatch):
     fake_hub(monkeypatch)
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"), resolve=True)
+    cfg = smollm_corpus()
     weights = {p["name"]: p["weight"] for p in cfg["mixture"]}
     assert weights == {"fineweb-edu-dedup": 0.7, "cosmopedia-v2": 0.15, "python-edu": 0.08, "open-web-math": 0.06,
                        "stackoverflow": 0.01}
@@ -276,13 +281,89 @@ def test_hub_mixture_follows_the_weights_and_text_fields(monkeypatch):
         [ex["text"] for ex in sample[:50]]
 
 
-def test_hub_corpus_prepares_with_a_token_cap(monkeypatch, tok):
-    fake_hub(monkeypatch, n=3000)
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"), resolve=True)
-    cfg.update(seq_len=64, max_tokens=20_000, held_out_fraction=0.1)
+def test_paper_mixture_without_python_edu_keeps_the_other_weights_in_proportion():
+    full, text = smollm_corpus(), OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus_text.yaml"))
+    others = {p["name"]: p["weight"] for p in full["mixture"] if p["name"] != "python-edu"}
+    kept = {p["name"]: p["weight"] for p in text["mixture"]}
+    assert kept.keys() == others.keys()
+    assert sum(kept.values()) == pytest.approx(1.0)
+    for name in kept:
+        assert kept[name] / kept["fineweb-edu-dedup"] == pytest.approx(others[name] / others["fineweb-edu-dedup"],
+                                                                        rel=1e-3)
+
+
+def jsonl_stream_cfg(tmp_path, docs: list[str], held_out_documents: int, seq_len: int = 16) -> dict:
+    """A streamed source over a local file: the `json` builder of `datasets`, the hub source's own code path."""
+    path = tmp_path / "stream.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return {"name": "toy-stream", "source": "hub", "seq_len": seq_len, "held_out_documents": held_out_documents,
+            "split_seed": 0, "separator": "eos", "mixture_seed": 0,
+            "mixture": [{"name": "toy", "path": "json", "data_files": str(path), "weight": 1.0, "text_field": "text"}]}
+
+
+def test_streamed_corpus_holds_out_its_head_and_never_trains_on_it_or_its_duplicates(tmp_path, tok):
+    rng = random.Random(0)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 30)) for i in range(200)]
+    docs[150] = docs[3]  # a duplicate of a held-out document later in the stream
+    cfg = jsonl_stream_cfg(tmp_path, docs, held_out_documents=10)
+    check_data_config(cfg)
     data = prepare_data(cfg, tok)
-    assert 20_000 <= sum(data.stats["tokens"].values()) < 20_100
-    assert data.stats["documents"]["held_out"] > 0
+    sep = tok.eos_token_id
+    held_out_stream = torch.cat([data.held_out.reshape(-1), data.held_out_tail])
+    assert split_docs(held_out_stream, tok, sep) == docs[:10]
+    rows = data.training_rows(seq_len=16, seed=0)
+    train_stream = rows.next_rows(1)  # then read the rest of the stream in one go
+    read = [train_stream]
+    with pytest.raises(RuntimeError, match="the stream ended after"):
+        while True:
+            read.append(rows.next_rows(1))
+    text = tok.decode(torch.cat(read).reshape(-1).tolist())
+    assert docs[3] not in text and docs[0] not in text  # the head and its later duplicate are held out
+    assert docs[10] in text and docs[149] in text and docs[151] in text
+    assert rows.epochs(rows.rows_read) is None
+
+
+def test_streamed_rows_resume_exactly_from_their_state(tmp_path, tok):
+    rng = random.Random(1)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 60)) for i in range(300)]
+    data = prepare_data(jsonl_stream_cfg(tmp_path, docs, held_out_documents=5), tok)
+    straight = data.training_rows(16, seed=0)
+    reference = [straight.step_rows(step, 8) for step in range(12)]
+    first = data.training_rows(16, seed=0)
+    for step in range(5):
+        first.step_rows(step, 8)
+    state = json.loads(json.dumps(first.state_dict()))  # it travels as JSON in a checkpoint
+    resumed = data.training_rows(16, seed=0)
+    resumed.load_state_dict(state)
+    for step in range(5, 12):
+        assert torch.equal(resumed.step_rows(step, 8), reference[step])
+    with pytest.raises(RuntimeError, match="not the start of step 3"):
+        data.training_rows(16, seed=0).step_rows(3, 8)
+
+
+def test_finite_rows_are_a_pure_function_of_seed_and_step(corpus, tok):
+    root, _ = corpus
+    data = prepare_data(local_cfg(str(root)), tok)
+    rows = data.training_rows(16, seed=3)
+    n = rows.rows.shape[0]
+    again = data.training_rows(16, seed=3)
+    assert torch.equal(rows.step_rows(7, 4), again.step_rows(7, 4))  # any step, in any order
+    first_epoch = torch.cat([rows.step_rows(s, 1) for s in range(n)])
+    assert sorted(map(tuple, first_epoch.tolist())) == sorted(map(tuple, rows.rows.tolist()))  # each row once
+    assert rows.epochs(2 * n) == 2.0
+    assert not torch.equal(data.training_rows(16, seed=4).step_rows(0, n), rows.step_rows(0, n))
+
+
+def test_budget_above_a_finite_corpus_is_refused_unless_epochs_are_allowed():
+    from mha2mla_exp.data import check_epochs
+
+    assert check_epochs(500, 1000, False) == 0.5
+    with pytest.raises(ValueError, match=r"train\.tokens: the budget of 3,000 tokens is 3\.00 passes .*allowed: 1\)"):
+        check_epochs(3000, 1000, False)
+    assert check_epochs(3000, 1000, True) == 3.0
+    with pytest.raises(ValueError, match="allowed: 2"):
+        check_epochs(3000, 1000, 2)
+    assert check_epochs(10**12, None, False) is None  # a stream never repeats
 
 
 def test_hub_part_without_its_text_column_fails_clearly(monkeypatch, tok):
@@ -291,6 +372,57 @@ def test_hub_part_without_its_text_column_fails_clearly(monkeypatch, tok):
             "text_field": "body"}
     with pytest.raises(ValueError, match=r"hub part 'fw': no string column 'body' \(text_field\); has \['id', 'text'\]"):
         next(iter(sources.hub_mixture([part])))
+
+
+def test_python_edu_without_boto3_or_credentials_fails_at_validation(monkeypatch):
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_boto3(name, *args, **kwargs):
+        if name == "boto3":
+            raise ImportError("no boto3")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "boto3", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_boto3)
+    with pytest.raises(ValueError, match=r"data\.mixture\[2\]\.blob_field: .*pip install boto3"):
+        check_data_config(smollm_corpus())
+
+    class NoCredentials:
+        class Session:
+            def get_credentials(self):
+                return None
+
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setitem(sys.modules, "boto3", NoCredentials)
+    with pytest.raises(ValueError, match=r"data\.mixture\[2\]\.blob_field: boto3 finds no AWS credentials"):
+        check_data_config(smollm_corpus())
+
+
+def test_a_hub_dataset_that_does_not_exist_fails_at_validation_when_online(monkeypatch):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from mha2mla_exp import models
+
+    import httpx
+
+    def dataset_info(self, path, **kwargs):
+        if path == "nobody/no-such-corpus":
+            raise RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "https://hf.co")))
+        return object()
+
+    monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(models, "hub_offline", lambda: False)
+    parts = [{"path": "nobody/no-such-corpus", "weight": 1.0, "text_field": "text"}]
+    with pytest.raises(ValueError, match=r"data\.mixture\[0\]\.path: no dataset 'nobody/no-such-corpus'"):
+        sources.probe_hub_datasets(parts)
+    assert sources.probe_hub_datasets([{"path": "real/corpus", "weight": 1.0, "text_field": "text"}]) == []
+    monkeypatch.setattr(models, "hub_offline", lambda: True)
+    [note] = sources.probe_hub_datasets(parts)
+    assert "not checked" in note and "unknown until the stream opens" in note
 
 
 # ---------------------------------------------------------------------------------------- config errors
@@ -313,10 +445,16 @@ def sotu_cfg(**changes):
     ({"id": "smollm2-135m"}, "data.id: asset 'smollm2-135m' is a model asset"),
     ({"source": "local", "paths": "/no/such/corpus"}, "data.paths: '/no/such/corpus' does not exist"),
     ({"source": "local", "paths": []}, "data.paths: source 'local' needs"),
-    ({"source": "hub", "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.max_tokens"),
-    ({"source": "hub", "max_tokens": 10, "mixture": [{"path": "a/b", "weight": 0.5, "text_field": "text"}]},
+    ({"source": "hub", "held_out_documents": 10, "max_tokens": 50_000_000,
+      "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.max_tokens: a hub source is streamed"),
+    ({"source": "hub", "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.held_out_documents"),
+    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "a/b", "weight": 0.5, "text_field": "text"}]},
      "data.mixture: the weights sum to 0.5"),
-    ({"source": "hub", "max_tokens": 10, "mixture": [{"path": "a/b", "weight": 1.0}]}, "data.mixture[0]: give exactly one"),
+    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "a/b", "weight": 1.0}]},
+     "data.mixture[0]: give exactly one"),
+    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "json", "data_files": "/no/such.jsonl",
+                                                              "weight": 1.0, "text_field": "text"}]},
+     "data.mixture[0].data_files: '/no/such.jsonl' matches no file"),
     ({"max_tokens": -5}, "data.max_tokens"),
 ])
 def test_data_config_errors_name_the_field(changes, message):
@@ -352,7 +490,8 @@ DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 
 @pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("model", MODELS)
-def test_model_and_data_configs_compose(model, data, tmp_path):
+def test_model_and_data_configs_compose(model, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)  # python-edu's AWS access
     (tmp_path / "a.txt").write_text("some text")
     overrides = [f"+model={model}", f"+data={data}"]
     if data == "local_text":

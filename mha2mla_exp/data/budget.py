@@ -48,3 +48,22 @@ def token_budget(
         "pretrain_share_pct": pretrain_share_pct(tokens, pretrain_tokens),
         "epochs": None if not available_tokens else tokens / available_tokens,
     }
+
+
+def check_epochs(tokens: int, available: int | None, epochs_allowed) -> float | None:
+    """Epochs a budget makes over a finite corpus; ValueError unless `epochs_allowed` permits repeating text.
+
+    `epochs_allowed`: false (one pass at most), true (any), or a number (at most that many passes).
+    A stream (`available` None) never repeats.
+    """
+    if available is None:
+        return None
+    epochs = tokens / available
+    limit = 1.0 if not epochs_allowed else (float("inf") if epochs_allowed is True else float(epochs_allowed))
+    if epochs > limit:
+        raise ValueError(
+            f"train.tokens: the budget of {tokens:,} tokens is {epochs:.2f} passes over the {available:,} training "
+            f"tokens of this corpus (allowed: {limit:g}); fine-tuning would repeat text. Lower the budget, stream a "
+            "corpus (data=smollm_corpus), or set train.epochs_allowed=true (or a number of passes)"
+        )
+    return epochs

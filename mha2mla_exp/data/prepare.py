@@ -27,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .packing import concat_documents, is_held_out, pack
+from .rows import FiniteRows, rechunk
+from .stream import TrainStream, read_held_out
 from ..confutil import as_plain_dict
 from .sources import check_data_config, corpus_fingerprint, iter_documents
 
@@ -50,6 +52,22 @@ class PreparedData:
     train_tail: torch.Tensor
     held_out_tail: torch.Tensor
     stats: dict = field(default_factory=dict)
+
+    def training_rows(self, seq_len: int, seed: int) -> FiniteRows:
+        """The train split as rows of the fine-tune's length, read epoch by epoch in a seeded order."""
+        return FiniteRows(rechunk(self.train, seq_len), seed)
+
+    def sample_train(self, n: int, seq_len: int, seed: int) -> torch.Tensor:
+        """`n` non-overlapping windows of `seq_len` train tokens, drawn with a seeded permutation."""
+        stream = self.stream("train")
+        windows = stream.numel() // seq_len
+        if n > windows:
+            raise ValueError(
+                f"calibration: the train split of {self.name!r} has {stream.numel()} tokens, only {windows} "
+                f"windows of {seq_len}; asked for {n}"
+            )
+        pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:n].sort().values
+        return stream[: windows * seq_len].view(windows, seq_len)[pick]
 
     def stream(self, split: str) -> torch.Tensor:
         """The whole token stream of `split` (rows then tail), documents separated by `separator_id`."""
@@ -150,10 +168,53 @@ def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True
     return tensors, path, False
 
 
-def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData:
-    """Tokenize (or load from cache), split by document and pack `data_cfg` for `tokenizer`."""
+@dataclass
+class StreamedData:
+    """A streamed corpus: held-out rows read once at start; training rows read on the fly (`data.stream`)."""
+
+    name: str
+    seq_len: int
+    separator_id: int
+    held_out: torch.Tensor
+    held_out_tail: torch.Tensor
+    cfg: dict
+    tokenizer: Any
+    held_out_digests: set
+    stats: dict = field(default_factory=dict)
+
+    def training_rows(self, seq_len: int, seed: int) -> TrainStream:
+        """The stream after the held-out documents, packed into rows of `seq_len` (its order is the mixture's
+        seed's; `seed` plays no part: fresh text has no epochs to shuffle)."""
+        return TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests)
+
+    def sample_train(self, n: int, seq_len: int, seed: int) -> torch.Tensor:
+        """The first `n` training rows of `seq_len` (calibration reads the fine-tuning mix, as in the paper)."""
+        return self.training_rows(seq_len, seed).next_rows(n)
+
+
+def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
+    name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
+    separator = resolve_separator(cfg, tokenizer)
+    stream, digests, n_docs = read_held_out(cfg, tokenizer, separator)
+    packed = pack(stream, seq_len)
+    if packed.rows.shape[0] == 0:
+        raise ValueError(f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
+                         f"{stream.numel()} tokens, not one held-out row of {seq_len}; hold out more")
+    stats = {"name": name, "source": cfg["source"], "streamed": True, "seq_len": seq_len, "separator_id": separator,
+             "documents": {"held_out": n_docs}, "tokens": {"held_out": int(stream.numel())},
+             "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"]}
+    log.info("data %r (streamed): %d held-out documents, %d rows", name, n_docs, packed.rows.shape[0])
+    return StreamedData(name=name, seq_len=seq_len, separator_id=separator, held_out=packed.rows,
+                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests, stats=stats)
+
+
+def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData | StreamedData:
+    """Tokenize (or load from cache), split by document and pack `data_cfg` for `tokenizer`; a hub source
+    is streamed instead (only its held-out documents are read here)."""
     check_data_config(data_cfg)
     cfg = as_plain_dict(data_cfg, "data")
+    if cfg["source"] == "hub":
+        return prepare_stream(cfg, tokenizer)
     name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
     separator = resolve_separator(cfg, tokenizer)
     tensors, path, hit = load_or_tokenize(cfg, tokenizer, separator, cache=cache)
@@ -193,23 +254,11 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
 
 
 def calibration_batches(
-    prepared: PreparedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0
+    prepared: PreparedData | StreamedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0
 ) -> list[torch.Tensor]:
-    """`n` sequences of `seq_len` tokens (default: the packing length) from the TRAIN split, in batches.
-
-    The train stream is cut into non-overlapping windows and `n` of them are drawn with a seeded
-    permutation, so the same arguments always give the same batches.
-    """
+    """`n` sequences of `seq_len` tokens (default: the packing length) from the TRAIN split, in batches;
+    the same arguments always give the same batches."""
     seq_len = seq_len or prepared.seq_len
     if n < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError(f"n, seq_len and batch_size must be positive, got {n}, {seq_len}, {batch_size}")
-    stream = prepared.stream("train")
-    windows = stream.numel() // seq_len
-    if n > windows:
-        raise ValueError(
-            f"calibration: the train split of {prepared.name!r} has {stream.numel()} tokens, only {windows} "
-            f"windows of {seq_len}; asked for {n}"
-        )
-    pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:n].sort().values
-    rows = stream[: windows * seq_len].view(windows, seq_len)[pick]
-    return list(rows.split(batch_size))
+    return list(prepared.sample_train(n, seq_len, seed).split(batch_size))

@@ -35,7 +35,7 @@ def check_data_config(data_cfg: Any) -> None:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"data.seq_len: expected an integer >= 2, got {seq_len!r}")
     fraction = cfg.get("held_out_fraction")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+    if source != "hub" and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1):
         raise ValueError(f"data.held_out_fraction: expected a number in (0, 1), got {fraction!r}")
     if isinstance(cfg.get("split_seed"), bool) or not isinstance(cfg.get("split_seed"), int):
         raise ValueError(f"data.split_seed: expected an integer, got {cfg.get('split_seed')!r}")
@@ -57,11 +57,16 @@ def check_data_config(data_cfg: Any) -> None:
         local_files(cfg.get("paths"))  # raises when nothing matches
     else:
         check_mixture(cfg.get("mixture"))
-        if cfg.get("max_tokens") is None and cfg.get("max_documents") is None:
-            raise ValueError(
-                "data.max_tokens: a hub corpus is streamed without end; set max_tokens (or max_documents) "
-                "to bound what is read"
-            )
+        for key in ("max_tokens", "max_documents"):
+            if cfg.get(key) is not None:
+                raise ValueError(
+                    f"data.{key}: a hub source is streamed, never cut: the fine-tune budget decides how much "
+                    "is read (fresh tokens, no repetition); remove it"
+                )
+        held_out = cfg.get("held_out_documents")
+        if isinstance(held_out, bool) or not isinstance(held_out, int) or held_out < 1:
+            raise ValueError(f"data.held_out_documents: a streamed source holds out its first N documents; "
+                             f"expected a positive integer, got {held_out!r}")
 
 
 def _eval_assets() -> set[str]:
@@ -82,9 +87,72 @@ def check_mixture(mixture: Any) -> None:
             raise ValueError(f"{where}.weight: expected a positive number, got {weight!r}")
         if bool(part.get("text_field")) == bool(part.get("blob_field")):
             raise ValueError(f"{where}: give exactly one of text_field (the text column) or blob_field")
+        if part["path"] in PACKAGED_BUILDERS:
+            _check_data_files(part.get("data_files"), where)
+        if part.get("blob_field"):
+            check_software_heritage_access(where)
     total = sum(p["weight"] for p in mixture)
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")
+
+
+# `datasets` builders that read local (or URL) files named by data_files instead of a hub repository
+PACKAGED_BUILDERS = ("json", "text", "csv", "parquet", "arrow")
+
+
+def _check_data_files(data_files: Any, where: str) -> None:
+    files = [data_files] if isinstance(data_files, str) else data_files
+    if not files or not all(isinstance(f, str) for f in files):
+        raise ValueError(f"{where}.data_files: a packaged builder needs a file or a list of files, got {data_files!r}")
+    for f in files:
+        if "://" not in f and not glob.glob(str(Path(f).expanduser())):
+            raise ValueError(f"{where}.data_files: {f!r} matches no file")
+
+
+def check_software_heritage_access(where: str) -> None:
+    """python-edu stores blob ids; its text needs boto3 and AWS credentials: check both before any download."""
+    try:
+        import boto3
+    except ImportError:
+        raise ValueError(
+            f"{where}.blob_field: this part stores Software Heritage blob ids, not text; reading it needs "
+            "`pip install boto3` and AWS credentials allowed to read s3://softwareheritage (see the "
+            "HuggingFaceTB/smollm-corpus card), or drop the part from data.mixture and renormalise the weights"
+        ) from None
+    if boto3.Session().get_credentials() is None:
+        raise ValueError(
+            f"{where}.blob_field: boto3 finds no AWS credentials (env AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "~/.aws/credentials or an instance role); python-edu's text lives in s3://softwareheritage"
+        )
+
+
+def probe_hub_datasets(mixture: list[dict]) -> list[str]:
+    """Check that every hub part exists, when the hub is reachable; ValueError naming the part if not.
+
+    Returns notes for what could not be checked (offline), so the runner can say so before heavy work.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from ..models import hub_offline
+
+    notes = []
+    for i, part in enumerate(mixture):
+        if part["path"] in PACKAGED_BUILDERS:
+            continue
+        if hub_offline():
+            notes.append(f"data.mixture[{i}].path {part['path']!r}: not checked (HF_HUB_OFFLINE); "
+                         "unknown until the stream opens")
+            continue
+        try:
+            HfApi().dataset_info(part["path"], revision=part.get("revision"), timeout=10)
+        except RepositoryNotFoundError:
+            raise ValueError(f"data.mixture[{i}].path: no dataset {part['path']!r} on the hub "
+                             "(or it is private and you are not logged in)") from None
+        except Exception as err:  # unreachable hub: say so, let the stream decide
+            notes.append(f"data.mixture[{i}].path {part['path']!r}: not checked (hub unreachable: "
+                         f"{type(err).__name__}); unknown until the stream opens")
+    return notes
 
 
 def local_files(paths: Any) -> list[Path]:
@@ -168,9 +236,10 @@ def hub_mixture(mixture: list[dict], seed: int = 0):
 
     streams = []
     for part in mixture:
+        extra = {"data_files": part["data_files"]} if part.get("data_files") else {}
         ds = datasets.load_dataset(
             part["path"], part.get("config"), split=part.get("split", "train"), streaming=True,
-            revision=part.get("revision"),
+            revision=part.get("revision"), **extra,
         )
         ds = ds.map(_text_getter(part))
         streams.append(ds.select_columns(["text", "source"]))

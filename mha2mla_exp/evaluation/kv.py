@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..mla import LatentCache, QuantizedLatentCache, cache_nbytes
-from ..mla.cache import QUANT_BACKENDS
+from ..mla.cache import check_kv_quant
 from ..mla.configuration import MLAConfig
 from ..mla.spec import MLASpec, ModelShape, kv_ratio
 
@@ -27,12 +27,7 @@ class KVQuant:
     q_group_size: int = 64
 
     def __post_init__(self):
-        if self.backend not in QUANT_BACKENDS:
-            raise ValueError(f"unknown kv_quant backend {self.backend!r}; expected one of {QUANT_BACKENDS}")
-        if self.nbits not in (2, 4):
-            raise ValueError(f"kv_quant nbits={self.nbits}: the paper's settings are 4 or 2 bits")
-        if self.residual_length < 0 or self.q_group_size <= 0:
-            raise ValueError("kv_quant residual_length must be >= 0 and q_group_size > 0")
+        check_kv_quant(self.backend, self.nbits, self.q_group_size, self.residual_length)
 
     @classmethod
     def from_cfg(cls, cfg) -> "KVQuant | None":

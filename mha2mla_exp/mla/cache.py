@@ -14,6 +14,21 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, QuantizedLayer
 
 QUANT_BACKENDS = ("quanto", "hqq")
+# the bit widths each backend's quantizer implements (transformers' QuantoQuantizedLayer / HQQQuantizedLayer)
+BACKEND_NBITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+
+
+def check_kv_quant(backend: str, nbits: int, q_group_size: int = 64, residual_length: int = 128) -> None:
+    """The one check of a KV-quantization setting, for the MLA latent and the MHA baseline alike."""
+    if backend not in QUANT_BACKENDS:
+        raise ValueError(f"kv_quant.backend: unknown {backend!r}; expected one of {', '.join(QUANT_BACKENDS)}")
+    if isinstance(nbits, bool) or nbits not in BACKEND_NBITS[backend]:
+        raise ValueError(f"kv_quant.nbits: {nbits!r} is not supported by {backend} "
+                         f"(it implements {', '.join(map(str, BACKEND_NBITS[backend]))} bits)")
+    if isinstance(q_group_size, bool) or not isinstance(q_group_size, int) or q_group_size <= 0:
+        raise ValueError(f"kv_quant.q_group_size: expected a positive integer, got {q_group_size!r}")
+    if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 0:
+        raise ValueError(f"kv_quant.residual_length: expected an integer >= 0, got {residual_length!r}")
 
 
 def tensor_bytes(obj) -> int:
@@ -83,11 +98,7 @@ class QuantizedLatentLayer(QuantizedLayer):
     """
 
     def __init__(self, backend: str = "quanto", nbits: int = 4, q_group_size: int = 64, residual_length: int = 128):
-        if backend not in QUANT_BACKENDS:
-            raise ValueError(f"unknown KV quantization backend {backend!r}; expected one of {QUANT_BACKENDS}")
-        allowed = (2, 4) if backend == "quanto" else (1, 2, 3, 4, 8)
-        if nbits not in allowed:
-            raise ValueError(f"nbits={nbits} is not supported by backend {backend!r}; expected one of {allowed}")
+        check_kv_quant(backend, nbits, q_group_size, residual_length)
         super().__init__(nbits=nbits, q_group_size=q_group_size, residual_length=residual_length)
         self.backend = backend
 

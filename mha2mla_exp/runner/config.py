@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
+import os
 import re
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..data.sources import check_data_config
-from ..mla.spec import MLASpec, ModelShape
-from ..models import check_model_config
+from ..data.sources import check_data_config, probe_hub_datasets
+from ..mla.cache import check_kv_quant
+from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape
+from ..models import check_model_config, probe_architecture
+from ..train.objectives import build_objective
+from ..train.precision import Precision, precision_for
+from .identity import digest, evaluation_identity, trained_identity
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
-KV_BACKENDS = {"hqq": (1, 2, 3, 4, 8), "quanto": (2, 4)}
 
 # integer division for configs: `d_kv: ${mla_div:${model.shape.head_dim},4}`
 if not OmegaConf.has_resolver("mla_div"):
     OmegaConf.register_new_resolver("mla_div", lambda a, b: int(a) // int(b))
+if not OmegaConf.has_resolver("mla_mul"):
+    OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 
 class ConfigError(ValueError):
@@ -31,7 +37,14 @@ class RunPlan:
     shape: ModelShape
     spec: MLASpec | None         # None: the model is not converted
     fine_tune: bool
+    distill: bool                # layer-wise distillation before the fine-tune (converted models only)
     kv_quant: dict | None        # {"backend", "nbits", "residual_length", "q_group_size"} or None
+    device_type: str             # cuda | cpu: part of the identity (numbers differ between devices)
+    precision: Precision | None  # the training precision; None when nothing is trained
+    eval_dtype: str              # the dtype the evaluation runs in
+    trained_hash: str            # the trained (or converted) model's identity
+    eval_hash: str               # this evaluation's identity
+    notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
 
     @property
     def table_variant(self) -> str:
@@ -40,10 +53,19 @@ class RunPlan:
             return self.variant
         return "partial_rope" if self.spec.svd == "none" else "partial_rope+svd"
 
+    @property
+    def trains(self) -> bool:
+        """Whether the run produces weights of its own (worth keeping: they cost compute)."""
+        return self.fine_tune or self.distill
+
+    @property
+    def run_hash(self) -> str:
+        return digest({"trained": self.trained_hash, "eval": self.eval_hash})
+
 
 def validate(cfg: DictConfig) -> RunPlan:
     """Check the composed config against the model's recorded shape facts; raise ConfigError naming
-    the field. Nothing is loaded or downloaded here."""
+    the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable."""
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
     try:
@@ -57,6 +79,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     _check_source("model", check_model_config, cfg.model)
     _check_source("data", check_data_config, cfg.data)
     _check_eval(cfg.eval)
+    notes = []
 
     spec = None
     if cfg.variant == "mla":
@@ -70,26 +93,122 @@ def validate(cfg: DictConfig) -> RunPlan:
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
+        notes += _check_architecture(cfg.model)
 
     kv_quant = None
     if cfg.kv_quant.backend is not None:
-        backend, nbits = cfg.kv_quant.backend, cfg.kv_quant.nbits
-        if backend not in KV_BACKENDS:
-            raise ConfigError(f"kv_quant.backend: unknown {backend!r}; expected one of {tuple(KV_BACKENDS)}")
-        if nbits not in KV_BACKENDS[backend]:
-            raise ConfigError(f"kv_quant.nbits: {nbits} is not supported by {backend} ({KV_BACKENDS[backend]})")
+        q = cfg.kv_quant
+        try:
+            check_kv_quant(q.backend, q.nbits, q.get("q_group_size", 64), q.get("residual_length", 128))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         kv_quant = OmegaConf.to_container(cfg.kv_quant, resolve=True)
 
     fine_tune = bool(cfg.train.enabled) and cfg.variant != "original"
+    distill = spec is not None and bool(cfg.distill.enabled)
     if cfg.variant == "finetuned_full_attention" and not cfg.train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
+    device_type = _device_type(cfg.device)
+    precision = None
     if fine_tune:
-        for key in ("seq_len", "micro_batch_size", "grad_accum"):
-            if int(cfg.train[key]) <= 0:
-                raise ConfigError(f"train.{key}: must be positive, got {cfg.train[key]}")
-        if cfg.train.pretrain_share_pct is None and int(cfg.train.tokens) <= 0:
-            raise ConfigError("train.tokens: must be positive when fine-tuning is enabled")
-    return RunPlan(variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, kv_quant=kv_quant)
+        _check_train(cfg)
+        try:
+            objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
+            precision = precision_for(cfg.train.precision, device_type, hidden_size=shape.hidden_size,
+                                      intermediate_size=int(cfg.model.get("intermediate_size") or 4 * shape.hidden_size))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        if objective.needs_teacher and cfg.variant != "mla":
+            raise ConfigError(f"objective.name: {objective.name!r} distils the original model into its conversion; "
+                              f"variant={cfg.variant!r} has no conversion")
+    if cfg.data.source == "hub":
+        notes += _probe(lambda: probe_hub_datasets(OmegaConf.to_container(cfg.data.mixture, resolve=True)), "data")
+    eval_dtype = resolve_eval_dtype(cfg.eval.get("dtype"), device_type)
+
+    runtime = {"device_type": device_type, "precision": precision.to_record() if precision else None}
+    if precision is not None:
+        runtime["precision"].pop("reason")  # why auto chose it is a note, not an identity
+        runtime["rows_per_step"] = global_batch_rows(cfg.train)
+    trained = trained_identity(cfg, runtime=runtime, converts=spec is not None, trains=fine_tune, distills=distill,
+                               calibrates=spec is not None and needs_calibration(spec))
+    return RunPlan(
+        variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
+        device_type=device_type, precision=precision, eval_dtype=eval_dtype, trained_hash=digest(trained),
+        eval_hash=digest(evaluation_identity(cfg, eval_dtype=eval_dtype)), notes=tuple(notes),
+    )
+
+
+def world_size() -> int:
+    """Processes of this launch (torchrun / accelerate launch set WORLD_SIZE); known before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def global_batch_rows(train_cfg) -> int:
+    return int(train_cfg.micro_batch_size) * int(train_cfg.grad_accum) * world_size()
+
+
+def needs_calibration(spec: MLASpec) -> bool:
+    """Whether the conversion reads calibration data (2-norm selection, activation-aware SVD)."""
+    return spec.rope == "2-norm" or spec.init == "activation"
+
+
+def resolve_eval_dtype(dtype: str | None, device_type: str) -> str:
+    """`auto`: bf16 on CUDA (as the paper evaluates), fp32 on CPU."""
+    dtype = dtype or "auto"
+    if dtype == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected auto, float32, bfloat16 or float16")
+    return dtype
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device: unknown {device!r}; expected auto, cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for, but torch sees no CUDA device here")
+    return kind
+
+
+def _check_train(cfg: DictConfig) -> None:
+    t = cfg.train
+    for key in ("seq_len", "micro_batch_size", "grad_accum"):
+        if int(t[key]) <= 0:
+            raise ConfigError(f"train.{key}: must be positive, got {t[key]}")
+    if t.pretrain_share_pct is None and int(t.tokens) <= 0:
+        raise ConfigError("train.tokens: must be positive when fine-tuning is enabled")
+    wanted = t.get("global_batch_rows")
+    if wanted is not None and global_batch_rows(t) != int(wanted):
+        world = world_size()
+        per_process = int(t.micro_batch_size) * world
+        hint = (f"set train.grad_accum={int(wanted) // per_process}" if int(wanted) % per_process == 0 else
+                f"choose micro_batch_size x processes dividing {wanted}")
+        raise ConfigError(f"train.grad_accum: micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x "
+                          f"{world} processes = {global_batch_rows(t)} rows per step, but global_batch_rows is "
+                          f"{wanted}: {hint}")
+    context = cfg.model.shape.get("context_length")
+    if context and int(t.seq_len) > int(context):
+        raise ConfigError(f"train.seq_len: {t.seq_len} is longer than model {cfg.model.name!r}'s context of "
+                          f"{context} tokens (model.shape.context_length)")
+
+
+def _check_architecture(model_cfg: DictConfig) -> list[str]:
+    """The model's architecture must be one the converter handles; read from its config.json, no weights."""
+    model_type, notes = probe_architecture(model_cfg)
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model.id: {model_cfg.id!r} is a {model_type!r} model; the MLA conversion handles "
+                          f"Llama-family causal LMs ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    return notes
+
+
+def _probe(check, group: str) -> list[str]:
+    try:
+        return check()
+    except ValueError as err:
+        raise ConfigError(str(err) if str(err).startswith(group) else f"{group}: {err}") from err
 
 
 def _check_source(group: str, check, cfg_group: DictConfig) -> None:
@@ -125,8 +244,11 @@ def _field_for(message: str) -> str:
     return f"{field}: " if field else ""
 
 
-def describe(plan: RunPlan, cfg: DictConfig) -> str:
-    """A readable run name: model, conversion, quantization, budget, seed."""
+_PRECISION_TAGS = {"fp32": "", "bf16-autocast": "bf16a", "bf16-master": "bf16m", "bf16-pure": "bf16p"}
+
+
+def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
+    """A readable name of the trained (or converted) model: model, conversion, recovery, budget, seed."""
     parts = [cfg.model.name]
     if plan.spec is None:
         parts.append("original" if plan.variant == "original" else "full-attention")
@@ -140,33 +262,26 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
         svd += "-sqrt" if s.sigma == "sqrt" else ""
         svd += "-act" if s.init == "activation" else ""
         parts.append(svd)
-    if plan.kv_quant:
-        parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}")
-    if plan.spec is not None and cfg.distill.enabled:
+    if plan.distill:
         parts.append(f"distill{cfg.distill.sequences}x{cfg.distill.epochs}")
     if plan.fine_tune:
-        parts.append(f"ft{_short_count(cfg.train.tokens) if cfg.train.pretrain_share_pct is None else str(cfg.train.pretrain_share_pct) + 'pct'}")
+        t = cfg.train
+        budget = _short_count(t.tokens) if t.pretrain_share_pct is None else f"{t.pretrain_share_pct}pct"
+        recipe = "" if cfg.objective.name == "ce" else f"-{cfg.objective.name}"
+        recipe += "-attn" if t.freeze_non_attention else ""
+        recipe += f"-{_PRECISION_TAGS[plan.precision.mode]}" if _PRECISION_TAGS[plan.precision.mode] else ""
+        parts.append(f"ft{budget}{recipe}")
     parts.append(f"s{cfg.seed}")
     return "__".join(str(p) for p in parts)
 
 
-_PROBE_KEYS = ("eval_every", "eval_batches")
-
-
-def config_hash(cfg: DictConfig, keys=("model", "data", "rope", "svd", "kv_quant", "train", "eval",
-                                        "variant", "seed", "calibration", "distill")) -> str:
-    """A short digest of everything that determines a run's numbers (not where it logs)."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    relevant = {k: container.get(k) for k in keys if k in container}
-    if relevant.get("variant") != "mla":
-        for key in ("rope", "svd", "calibration", "distill"):
-            relevant.pop(key, None)
-    if relevant.get("variant") == "original":
-        relevant.pop("train", None)
-    for key in _PROBE_KEYS:  # the in-training probe observes the run, it does not change its numbers
-        (relevant.get("train") or {}).pop(key, None)
-    blob = json.dumps(relevant, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+def describe(plan: RunPlan, cfg: DictConfig) -> str:
+    """A readable run name: the trained model's name, then what the evaluation adds (KV quantization)."""
+    name = describe_trained(plan, cfg)
+    if plan.kv_quant:
+        head, _, seed = name.rpartition("__")
+        name = f"{head}__{plan.kv_quant['backend']}{plan.kv_quant['nbits']}__{seed}"
+    return name
 
 
 def _short_count(n) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import tempfile
@@ -60,14 +61,82 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {"device": device.type, "torch": torch.__version__, "platform": platform.platform(),
-            "cpu_count": os.cpu_count()}
+def machine_info(device: torch.device, processes: int = 1) -> dict:
+    """The machine a number was made on: device, processor model and its bf16-relevant flags, load."""
+    info = {"device": device.type, "processes": processes, "torch": torch.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_model()}
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     else:
-        info["name"] = f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})"
+        info["name"] = f"{os.cpu_count()}-core {info['cpu']['model']}"
+    try:
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)  # a shared machine slows every timing
+    except OSError:
+        pass
     return info
+
+
+_BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+
+
+def cpu_model() -> dict:
+    """The CPU's model name and which bf16-relevant instruction sets it has (from /proc/cpuinfo, as lscpu)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+            if flags and model:
+                break
+    except OSError:
+        pass
+    return {"model": model, "bf16_flags": [f for f in _BF16_FLAGS if f in flags]}
+
+
+def headline(record: dict) -> str:
+    """The numbers a run exists for, in a few lines (printed at the end of the main job)."""
+    lines = [f"  model: {record['model']['name']} ({record['variant']}), {record['model'].get('params', 0):,} parameters"]
+    train = record.get("train") or {}
+    probes = train.get("heldout_ppl_probe") or {}
+    if probes:
+        steps = sorted(probes, key=int)
+        lines.append(f"  held-out ppl (probe rows): {probes[steps[0]]:.1f} before fine-tuning -> "
+                     f"{probes[steps[-1]]:.1f} after {train['tokens']:,} tokens "
+                     f"({train['seconds']:.0f} s, {train['tokens_per_s']:.0f} tok/s, {train['precision']['mode']})")
+    ppl = ((record.get("eval") or {}).get("perplexity") or {}).get("heldout")
+    if ppl is not None:
+        lines.append(f"  held-out ppl (all eval rows, {record.get('eval_dtype', 'float32')}): {ppl:.2f}")
+    cs = (record.get("eval") or {}).get("commonsense") or {}
+    if "avg" in cs:
+        se = commonsense_avg_se(record["eval"])
+        n = cs.get("limit")
+        lines.append(f"  commonsense Avg: {100 * cs['avg']:.1f} +- {196 * se:.1f} (95% CI, binomial; "
+                     f"{n if n else 'all'} docs per task)" if se is not None else
+                     f"  commonsense Avg: {100 * cs['avg']:.1f}")
+    kv = record.get("kv") or {}
+    if kv.get("bytes_per_token_measured"):
+        lines.append(f"  KV cache: {kv['bytes_per_token_measured']:,.0f} B/token measured vs "
+                     f"{kv['bytes_per_token_mha']:,.0f} for MHA ({kv['mem_change_pct']:+.2f} %)")
+    return "\n".join(lines)
+
+
+def commonsense_avg_se(eval_block: dict) -> float | None:
+    """Binomial standard error of the six-column Avg (ARC = mean of Easy and Challenge), docs independent."""
+    cs, meta = eval_block.get("commonsense") or {}, (eval_block.get("meta") or {}).get("commonsense") or {}
+    n_docs = meta.get("n_docs") or {}
+
+    def var(task):
+        p, n = cs.get(task), n_docs.get(task)
+        return None if p is None or not n else p * (1 - p) / n
+
+    parts = {t: var(t) for t in ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")}
+    if any(v is None for v in parts.values()):
+        return None
+    arc = (parts.pop("arc_easy") + parts.pop("arc_challenge")) / 4
+    return math.sqrt(sum(parts.values()) + arc) / 6
 
 
 def _jsonable(obj):

@@ -1,68 +1,104 @@
-"""One run, end to end: validate -> load -> data -> calibrate -> convert -> fine-tune -> measure ->
-evaluate -> record. Finished runs are skipped, interrupted ones resume."""
+"""One run, end to end: validate -> data -> (load -> calibrate -> convert -> distill -> fine-tune -> keep) or
+reuse the kept trained model -> measure -> evaluate -> record. Finished runs are skipped, interrupted ones resume.
+
+Rank-aware: under `torchrun` / `accelerate launch` every process validates, loads and trains; only the main
+process writes the record, the training curve and W&B, and evaluates (the others leave once the trained model
+is saved).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
 
-import safetensors.torch
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 
-from ..train import FineTuneDiverged, finetune
+from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
-from .config import RunPlan, config_hash, describe, validate
-from .record import FINAL_STATUSES, MetricsLog, machine_info, read_results, write_json_atomic
+from .config import ConfigError, RunPlan, describe, describe_trained, validate
+from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
+from .trained import TrainedModel
 
 log = logging.getLogger(__name__)
 
 
 def run_dir_for(cfg: DictConfig, plan: RunPlan) -> Path:
-    return Path(cfg.results_dir) / cfg.experiment / f"{describe(plan, cfg)}-{config_hash(cfg)}"
+    return Path(cfg.results_dir) / cfg.experiment / f"{describe(plan, cfg)}-{plan.run_hash}"
+
+
+def trained_model_for(cfg: DictConfig, plan: RunPlan) -> TrainedModel:
+    return TrainedModel(cfg.results_dir, describe_trained(plan, cfg), plan.trained_hash)
 
 
 def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
-    """Execute (or skip, or resume) the run `cfg` describes; return its results record."""
+    """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's)."""
+    dist = PartialState(cpu=str(cfg.device).startswith("cpu") or not torch.cuda.is_available())
     plan = validate(cfg)  # every config error surfaces here, before any weight is touched
     run_dir = run_dir_for(cfg, plan)
     previous = read_results(run_dir)
     if previous and previous.get("status") in FINAL_STATUSES:
-        log.info("skipping %s: already %s", run_dir, previous["status"])
-        print(f"[mha2mla_exp] already done ({previous['status']}): {run_dir}")
+        if dist.is_main_process:
+            print(f"[mha2mla_exp] already done ({previous['status']}): {run_dir}")
         return previous
+    for note in plan.notes:
+        log.warning("not checked before loading: %s", note)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    device = stages.resolve_device(cfg)
-    torch.manual_seed(cfg.seed)
+    # the inputs before any weight: a budget the corpus cannot hold is a config error, found in seconds
+    tokenizer = stages.load_tokenizer(cfg)
+    with dist.main_process_first():  # the token cache is written once
+        data = stages.prepare_data(cfg, tokenizer)
+    rows = None
+    if plan.fine_tune:
+        try:
+            rows = stages.training_rows(cfg, data, dist.num_processes)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+    main = dist.is_main_process
+    trained = trained_model_for(cfg, plan)
     record = {
         "run_name": run_dir.name,
         "experiment": cfg.experiment,
         "status": "running",
         "error": None,
         "resumed": previous is not None,
-        "config_hash": config_hash(cfg),
+        "config_hash": plan.run_hash,
+        "trained_hash": plan.trained_hash,
+        "eval_hash": plan.eval_hash,
         "model": {"name": cfg.model.name, "paper_name": cfg.model.get("paper_name"),
                   "pretrain_tokens": cfg.model.get("pretrain_tokens")},
         "variant": plan.table_variant,
         "mla": plan.spec.to_dict() if plan.spec else None,
         "kv_quant": plan.kv_quant,
+        "data": dict(data.stats),
+        "trained_model": str(trained.dir) if plan.trains else None,
         "kv": None, "train": None, "eval": None,
         "timings": {},
-        "machine": machine_info(device),
+        "machine": machine_info(dist.device, processes=dist.num_processes),
+        "notes": list(plan.notes),
     }
-    write_json_atomic(run_dir / "results.json", record)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    tracker = _Tracker(cfg, run_dir)
+    tracker = _Tracker(cfg, run_dir) if main else _Tracker.off()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
-        _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
+        model = _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+        if main:
+            if plan.trains and trained.metrics_path.exists():
+                shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
+            write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
+            _evaluate(cfg, plan, model, tokenizer, data, record)
         record["status"] = "ok"
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
@@ -70,88 +106,137 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     except BaseException as err:
         record.update(status="failed" if isinstance(err, Exception) else "interrupted",
                       error="".join(traceback.format_exception_only(err)).strip())
-        record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
-        write_json_atomic(run_dir / "results.json", record)
-        tracker.finish(record)
+        _finish(record, run_dir, started, tracker, main)
         raise
-    record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
-    write_json_atomic(run_dir / "results.json", record)
-    tracker.finish(record)
-    print(f"[mha2mla_exp] {record['status']}: {run_dir}")
+    _finish(record, run_dir, started, tracker, main)
+    if main:
+        print(f"[mha2mla_exp] {record['status']}: {run_dir}")
+        if record["status"] == "ok":
+            print(headline(record))
     return record
 
 
-def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step) -> None:
+def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:
+    record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
+    if main:
+        write_json_atomic(run_dir / "results.json", record)
+        tracker.finish(record)
+
+
+def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
+    """The model this run evaluates: converted (untrained runs), or trained and kept, or the kept one reused."""
+    timings = record["timings"]
+    if not plan.trains:
+        t = time.perf_counter()
+        model, _ = stages.load(cfg, plan, dist.device)
+        record["model"]["params_original"] = stages.count_parameters(model)
+        timings["load_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        model = stages.convert(plan, model, stages.calibration_batches(cfg, plan, data))
+        timings["convert_s"] = round(time.perf_counter() - t, 3)
+        _describe_model(record, plan, model)
+        return model
+
+    lock = trained.lock() if dist.is_main_process else contextlib.nullcontext()
+    with lock:  # two evaluations of one trained model (a parallel sweep) never train it twice
+        [info] = broadcast_object_list([_kept_info(trained)]) if dist.num_processes > 1 else [_kept_info(trained)]
+        if info is not None and info.get("status") == "diverged":
+            raise FineTuneDiverged(info["train"]["diverged_at_step"], info["train"]["loss"], "kept record")
+        if info is not None:
+            t = time.perf_counter()
+            model, _ = stages.load_trained(trained.model_dir, dist.device)
+            timings["load_s"] = round(time.perf_counter() - t, 3)
+            record.update({k: v for k, v in info.items() if k in ("train", "distill", "rope_pairs")})
+            record["model"].update(info["model"])
+            record["reused_trained_model"] = True
+            log.info("reusing the kept trained model %s", trained.dir)
+            return model
+        model = _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+    dist.wait_for_everyone()
+    return model
+
+
+def _kept_info(trained: TrainedModel) -> dict | None:
+    if trained.complete():
+        return trained.info()
+    if (trained.dir / "trained.json").is_file() and trained.info().get("status") == "diverged":
+        return trained.info()
+    return None
+
+
+def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     timings = record["timings"]
     t = time.perf_counter()
-    model, tokenizer = stages.load(cfg, device)
+    model, _ = stages.load(cfg, plan, dist.device)
     record["model"]["params_original"] = stages.count_parameters(model)
-    data = stages.prepare_data(cfg, tokenizer)
-    record["data"] = dict(getattr(data, "stats", {}) or {})
     timings["load_s"] = round(time.perf_counter() - t, 3)
 
     t = time.perf_counter()
-    calibration = stages.calibration_batches(cfg, plan, data)
-    original, model = model, stages.convert(plan, model, calibration)
+    original, model = model, stages.convert(plan, model, stages.calibration_batches(cfg, plan, data))
     timings["convert_s"] = round(time.perf_counter() - t, 3)
-    if plan.spec is not None and cfg.distill.enabled:
+    if plan.distill:
         record["distill"] = stages.distill(cfg, original, model, data)
         timings["distill_s"] = record["distill"]["seconds"]
-    del original
+    _describe_model(record, plan, model)
+
+    if plan.fine_tune:
+        from ..train.objectives import build_objective
+
+        objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
+        teacher = stages.teacher_for(plan, original) if objective.needs_teacher else None
+        original = None  # only the teacher (if any) keeps the original weights alive
+        metrics = MetricsLog(trained.metrics_path)
+        if dist.is_main_process:
+            metrics.truncate_after(_checkpoint_step(trained.dir))
+
+        def on_log(step_record):
+            metrics.append(step_record)
+            tracker.log(step_record)
+
+        model, record["train"] = finetune(
+            model, rows, cfg.train, trained.dir, precision=plan.precision, seed=cfg.seed, objective=objective,
+            teacher=teacher, pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log,
+            probe=stages.heldout_probe(cfg, data), fail_at_step=fail_at_step,
+        )
+        timings["train_s"] = record["train"]["seconds"]
+        teacher = None
+    original = None
+    if dist.is_main_process:
+        trained.save(model, tokenizer, {k: record.get(k) for k in ("model", "train", "distill", "rope_pairs")}
+                     | {"status": "ok", "trained_hash": plan.trained_hash})
+        remove_checkpoint(trained.dir)  # the weights are kept, the resume point is no longer needed
+    return model
+
+
+def _describe_model(record: dict, plan: RunPlan, model) -> None:
     record["model"]["params"] = stages.count_parameters(model)
     if plan.spec is not None:
         record["rope_pairs"] = model.config.rope_pairs
 
-    if plan.fine_tune:
-        shared = _shared_weights_dir(cfg) if cfg.train.get("share_trained") else None
-        if shared is not None and (shared / "train.json").exists():
-            # same conversion and fine-tune, other KV precision or eval: reuse the trained weights
-            safetensors.torch.load_model(model, shared / "model.safetensors", device=str(model.device))
-            record["train"] = json.loads((shared / "train.json").read_text()) | {"shared_from": str(shared)}
-        else:
-            progress = run_dir / "checkpoint" / "progress.json"
-            metrics.truncate_after(_checkpoint_step(progress))
 
-            def on_log(step_record):
-                metrics.append(step_record)
-                tracker.log(step_record)
-
-            record["train"] = finetune(
-                model, data.train, cfg.train, run_dir, seed=cfg.seed,
-                pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log, fail_at_step=fail_at_step,
-                periodic_eval=stages.heldout_probe(cfg, data),
-            )
-            if shared is not None:
-                shared.mkdir(parents=True, exist_ok=True)
-                safetensors.torch.save_model(model, shared / "model.safetensors")
-                write_json_atomic(shared / "train.json", record["train"])  # written last: marks it complete
-        timings["train_s"] = record["train"]["seconds"]
-        write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-        if cfg.train.get("keep_checkpoint"):
-            model.save_pretrained(run_dir / "model")
-            tokenizer.save_pretrained(run_dir / "model")
-
+def _evaluate(cfg, plan, model, tokenizer, data, record) -> None:
     t = time.perf_counter()
+    model.to(getattr(torch, plan.eval_dtype))
+    record["eval_dtype"] = plan.eval_dtype
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
     record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data)
-    timings["eval_s"] = round(time.perf_counter() - t, 3)
+    record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 
-def _shared_weights_dir(cfg: DictConfig) -> Path:
-    """Where the fine-tuned weights of this (model, data, conversion, fine-tune, seed) are shared."""
-    key = config_hash(cfg, keys=("model", "data", "rope", "svd", "distill", "train", "variant", "seed", "calibration"))
-    return Path(cfg.results_dir) / "_trained" / key
+def _checkpoint_step(root: Path) -> int:
+    import json
 
-
-def _checkpoint_step(progress: Path) -> int:
+    progress = Path(root) / "checkpoint" / "progress.json"
     return json.loads(progress.read_text())["step"] if progress.exists() else 0
 
 
 class _Tracker:
     """W&B mirror of the record: config, curve, results. Offline by default; WANDB_MODE wins."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig | None, run_dir: Path | None):
         self.run = None
+        if cfg is None:
+            return
         settings = cfg.logger.wandb
         mode = os.environ.get("WANDB_MODE", settings.mode)
         if not settings.enabled or mode == "disabled":
@@ -163,6 +248,10 @@ class _Tracker:
             id=hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16], resume="allow", mode=mode,
             dir=str(run_dir), config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
         )
+
+    @classmethod
+    def off(cls) -> "_Tracker":
+        return cls(None, None)
 
     def log(self, record: dict) -> None:
         if self.run:

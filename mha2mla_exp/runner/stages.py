@@ -13,35 +13,61 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..mla import convert_to_mla
-from .config import RunPlan
+from .config import RunPlan, needs_calibration
 
 log = logging.getLogger(__name__)
 
 
-def resolve_device(cfg: DictConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+def load_tokenizer(cfg: DictConfig):
+    """The tokenizer alone (cheap), so data and budget are checked before any weight is loaded."""
+    from ..models import load_tokenizer as load
+
+    return load(cfg.model)
 
 
-def load(cfg: DictConfig, device: torch.device):
-    """(model, tokenizer) from a hub id, a local folder or an offline asset."""
+def load(cfg: DictConfig, plan: RunPlan, device: torch.device):
+    """(model, tokenizer) from a hub id, a local folder or an offline asset. A run that converts or trains
+    loads fp32 (the SVD and the master weights need it) unless model.dtype says otherwise; an evaluation of
+    an unconverted, untrained model loads in the evaluation dtype."""
     from ..models import load_model
 
-    return load_model(cfg.model, device=device)
+    dtype = cfg.model.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "float32" if (plan.spec is not None or plan.trains) else plan.eval_dtype
+    return load_model(cfg.model, device=device, dtype=dtype)
+
+
+def load_trained(folder, device: torch.device):
+    """A kept trained model (fp32, as it was saved), in eval mode."""
+    from ..models import load_model
+
+    return load_model({"source": "local", "id": str(folder), "dtype": "float32"}, device=device)
 
 
 def prepare_data(cfg: DictConfig, tokenizer):
-    """Tokenized, packed train / held-out splits (split by document: never train on held-out text)."""
+    """Tokenized, packed train / held-out splits (split by document: never train on held-out text), or a
+    streamed corpus with its held-out rows."""
     from ..data import prepare_data as prepare
 
     return prepare(cfg.data, tokenizer)
 
 
+def training_rows(cfg: DictConfig, data, num_processes: int):
+    """The fine-tune's rows; a budget that would repeat a finite corpus is refused here, before any weight
+    is loaded, unless train.epochs_allowed says so."""
+    from ..data import check_epochs
+    from ..train import plan_budget
+
+    rows = data.training_rows(int(cfg.train.seq_len), seed=cfg.seed)
+    budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.get("pretrain_tokens"), num_processes=num_processes)
+    check_epochs(budget.tokens, rows.tokens_available, cfg.train.get("epochs_allowed", False))
+    return rows
+
+
 def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
     """Calibration samples for 2-norm and activation-aware SVD, drawn from the training split;
     None when neither needs them."""
-    if plan.spec is None or (plan.spec.rope != "2-norm" and plan.spec.init != "activation"):
+    if plan.spec is None or not needs_calibration(plan.spec):
         return None
     from ..data import calibration_batches as sample
 
@@ -70,16 +96,20 @@ def distill(cfg: DictConfig, teacher, student, data) -> dict:
 
 
 def heldout_probe(cfg: DictConfig, data):
-    """The in-training recovery probe (`train.eval_every` > 0): held-out perplexity on the first
-    `train.eval_batches` batches of the held-out rows, the same rows for every run."""
-    if not cfg.train.get("eval_every"):
-        return None
+    """The in-training recovery probe: held-out perplexity on the first `train.eval_batches` batches of the
+    held-out rows (the same rows for every run), before the first step, every `train.eval_every` steps
+    (0: none in between) and after the last."""
     from ..evaluation.perplexity import perplexity
     from ..evaluation.run import held_out_batches
 
     batch_size = int(cfg.eval.get("perplexity", {}).get("batch_size", 8))
     batches = held_out_batches(data.held_out, batch_size)[: int(cfg.train.get("eval_batches", 2))]
     return lambda model: {"heldout_ppl_probe": perplexity(model, batches)}
+
+
+def teacher_for(plan: RunPlan, original):
+    """The frozen original model as the distillation teacher, in the compute dtype (bf16 where it is used)."""
+    return original.to(plan.precision.compute_dtype).eval().requires_grad_(False)
 
 
 @torch.no_grad()

@@ -1,0 +1,125 @@
+"""A streamed corpus (data.source: hub) as training rows packed on the fly: fresh tokens at any budget.
+
+The hub mixture (or any `datasets` builder, e.g. `path: json` + `data_files:` for a local file) is read
+with `datasets` streaming, documents are tokenized in chunks, followed by the separator and cut into
+rows of the training length. Nothing is held in memory beyond one chunk.
+
+Split: the first `held_out_documents` documents of the stream are the held-out set (read once, at
+start); the training rows are everything after them, minus any later document whose text equals a
+held-out one, so duplicates cannot leak held-out text into training.
+
+Resume: `state_dict()` is the dataset's own iteration state (`IterableDataset.state_dict`) plus the
+tokens read but not yet emitted as a row, so a resumed run reads exactly the rows the uninterrupted
+one would have: the row read at a step is a pure function of (mixture seed, step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from .sources import hub_mixture
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 64  # documents per tokenizer call
+
+
+def text_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def _documents(dataset) -> Iterator[str]:
+    for example in dataset:
+        if example["text"].strip():
+            yield example["text"]
+
+
+def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, set[bytes], int]:
+    """The first `held_out_documents` documents as one token stream; their digests; the count read."""
+    wanted = int(cfg["held_out_documents"])
+    texts, stream = [], []
+    for text in _documents(hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))):
+        texts.append(text)
+        if len(texts) == wanted:
+            break
+    for start in range(0, len(texts), _CHUNK):
+        for ids in tokenizer(texts[start:start + _CHUNK], add_special_tokens=False, verbose=False)["input_ids"]:
+            stream.extend(ids)
+            stream.append(separator)
+    return torch.tensor(stream, dtype=torch.long), {text_digest(t) for t in texts}, len(texts)
+
+
+class TrainStream:
+    """Training rows `[n, seq_len]` read in order from the stream, skipping the held-out documents."""
+
+    def __init__(self, cfg: dict, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes]):
+        self.cfg, self.tokenizer, self.separator, self.seq_len = cfg, tokenizer, separator, seq_len
+        self.skip = held_out_digests
+        self.dataset = hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))
+        self.buffer: list[int] = []
+        self.rows_read = 0
+        self.documents_read = 0
+        self._skipped_head = 0  # the held-out documents at the start are passed over once
+        self._iterator = None
+
+    def _texts(self) -> Iterator[str]:
+        held_out_head = int(self.cfg["held_out_documents"])
+        for text in _documents(self.dataset):
+            if self._skipped_head < held_out_head:
+                self._skipped_head += 1
+                continue
+            if text_digest(text) in self.skip:
+                continue
+            yield text
+
+    def next_rows(self, n: int) -> torch.Tensor:
+        """The next `n` rows; raises when the stream ends first (a finite local file)."""
+        need = n * self.seq_len
+        if self._iterator is None:
+            self._iterator = self._texts()
+        while len(self.buffer) < need:
+            chunk = [t for _, t in zip(range(_CHUNK), self._iterator)]
+            if not chunk:
+                raise StreamExhausted(
+                    f"data: the stream ended after {self.rows_read} rows of {self.seq_len} tokens "
+                    f"({self.documents_read} training documents); the budget asks for more"
+                )
+            for ids in self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+                self.buffer.extend(ids)
+                self.buffer.append(self.separator)
+            self.documents_read += len(chunk)
+        rows = torch.tensor(self.buffer[:need], dtype=torch.long).view(n, self.seq_len)
+        del self.buffer[:need]
+        self.rows_read += n
+        return rows
+
+    def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
+        """The rows of global step `step`; a stream is read in order, so steps come one after another."""
+        if self.rows_read != step * rows_per_step:
+            raise RuntimeError(f"stream position {self.rows_read} rows is not the start of step {step} "
+                               f"({step * rows_per_step} rows): restore its state_dict to resume")
+        return self.next_rows(rows_per_step)
+
+    def epochs(self, rows_read: int) -> None:
+        return None  # fresh tokens: never a second pass
+
+    tokens_available = None  # unbounded
+
+    def state_dict(self) -> dict:
+        return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer), "rows_read": self.rows_read,
+                "documents_read": self.documents_read, "skipped_head": self._skipped_head}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self.buffer = list(state["buffer"])
+        self.rows_read, self.documents_read = state["rows_read"], state["documents_read"]
+        self._skipped_head = state["skipped_head"]
+        self._iterator = None
+
+
+class StreamExhausted(RuntimeError):
+    """A finite stream ran out before the token budget was read."""

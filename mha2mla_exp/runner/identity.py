@@ -1,0 +1,73 @@
+"""What a run IS, declared once: the settings that define its trained model, those that define an evaluation of
+it, and the observers that change no number.
+
+- The trained model: model, data, conversion (rope, svd, calibration), distillation, fine-tune, seed, and the
+  runtime (device type, training precision, rows per optimizer step). Its weights are saved under this identity and reused by every
+  evaluation of it: a new or failed evaluation never retrains.
+- An evaluation: the eval suites, the KV-cache quantization, the cache measurement, the evaluation dtype.
+- Observers (`OBSERVERS`): logging, checkpoint cadence, probes, permissions. They are in neither hash.
+
+Blocks that cannot matter are left out (the conversion of an unconverted model, a disabled distillation, the
+fine-tune of the original model), so that a change there does not split identical runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from omegaconf import DictConfig, OmegaConf
+
+TRAINED_MODEL_KEYS = ("model", "data", "variant", "seed", "rope", "svd", "calibration", "distill", "objective", "train")
+EVALUATION_KEYS = ("eval", "kv_quant", "kv_measure_tokens")
+# (group, key): settings that observe a run or permit it, and never change its numbers
+OBSERVERS = (
+    ("model", "paper_name"),
+    ("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"), ("train", "eval_batches"),
+    ("train", "epochs_allowed"),
+    # how a global batch is split into processes x accumulation x micro-batches changes no number (tested);
+    # the global batch itself is in the runtime identity
+    ("train", "micro_batch_size"), ("train", "grad_accum"), ("train", "global_batch_rows"),
+)
+
+
+def trained_identity(cfg: DictConfig, *, runtime: dict, converts: bool, trains: bool, distills: bool,
+                     calibrates: bool) -> dict:
+    """The settings (resolved) that determine the trained (or converted) model's weights."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    identity = {k: container.get(k) for k in TRAINED_MODEL_KEYS if k in container}
+    if not converts:
+        for key in ("rope", "svd", "calibration"):
+            identity.pop(key, None)
+    if not calibrates:
+        identity.pop("calibration", None)
+    if not distills:
+        identity.pop("distill", None)
+    if not trains:
+        identity.pop("train", None)
+        identity.pop("objective", None)
+    if not (trains or distills):  # an untrained model is the same on any device, in any training precision
+        runtime = {k: v for k, v in runtime.items() if k != "precision"}
+    identity["runtime"] = runtime
+    _drop_observers(identity)
+    return identity
+
+
+def evaluation_identity(cfg: DictConfig, *, eval_dtype: str) -> dict:
+    container = OmegaConf.to_container(cfg, resolve=True)
+    identity = {k: container.get(k) for k in EVALUATION_KEYS if k in container}
+    identity["eval_dtype"] = eval_dtype
+    _drop_observers(identity)
+    return identity
+
+
+def digest(*parts: dict) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def _drop_observers(identity: dict) -> None:
+    for group, key in OBSERVERS:
+        block = identity.get(group)
+        if isinstance(block, dict):
+            block.pop(key, None)

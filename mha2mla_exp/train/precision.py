@@ -1,0 +1,95 @@
+"""Training precision: which dtype the weights are stored in, which the matmuls run in, which the optimizer updates.
+
+Modes (`train.precision`):
+- `fp32`: everything fp32.
+- `bf16-autocast`: fp32 master weights and optimizer state, bf16 compute under torch.autocast (the paper's
+  recipe on GPU; accelerate's `mixed_precision="bf16"`).
+- `bf16-master`: bf16 weights (no per-op casts: the fastest bf16 path on CPU), an fp32 master copy of every
+  trained weight and fp32 optimizer state; updates are made on the master and rounded into the weights.
+- `bf16-pure`: bf16 weights AND bf16 optimizer updates, no master copy. Only for comparison: small updates
+  vanish in bf16 rounding, a worse recipe than the paper's. Never chosen by `auto`.
+- `auto`: `bf16-autocast` on CUDA; on CPU a startup probe times a bf16 and an fp32 matmul at the model's
+  shape and picks `bf16-master` when bf16 is at least `CPU_BF16_MIN_SPEEDUP` times faster, else `fp32`
+  (CPUs differ: AMX or avx512_bf16 make bf16 several times faster, older ones make it slower). The record
+  states the mode chosen and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("auto", "fp32", "bf16-autocast", "bf16-master", "bf16-pure")
+CPU_BF16_MIN_SPEEDUP = 1.5
+
+
+@dataclass(frozen=True)
+class Precision:
+    mode: str                 # one of MODES but 'auto'
+    param_dtype: torch.dtype  # what the model's weights are stored in while training
+    compute_dtype: torch.dtype
+    optimizer_dtype: torch.dtype  # the dtype the optimizer's update and state live in (master weights)
+    reason: str = ""
+
+    @property
+    def autocast(self) -> bool:
+        return self.mode == "bf16-autocast"
+
+    @property
+    def master_weights(self) -> bool:
+        return self.param_dtype != self.optimizer_dtype
+
+    def to_record(self) -> dict:
+        return {"mode": self.mode, "param_dtype": _name(self.param_dtype), "compute_dtype": _name(self.compute_dtype),
+                "optimizer_dtype": _name(self.optimizer_dtype), "reason": self.reason}
+
+
+def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, intermediate_size: int = 1536) -> Precision:
+    """The `Precision` of `mode` on `device_type` ('cuda' | 'cpu'); `auto` is resolved here."""
+    if mode not in MODES:
+        raise ValueError(f"train.precision: unknown {mode!r}; expected one of {', '.join(MODES)}")
+    reason = "set in the config"
+    if mode == "auto":
+        if device_type == "cuda":
+            mode, reason = "bf16-autocast", "auto on CUDA: fp32 master weights, bf16 autocast (the paper's recipe)"
+        else:
+            speedup, detail = cpu_bf16_speedup(hidden_size, intermediate_size)
+            fast = speedup >= CPU_BF16_MIN_SPEEDUP
+            mode = "bf16-master" if fast else "fp32"
+            reason = (f"auto on CPU: bf16 matmul {speedup:.2f}x fp32 ({detail}); "
+                      f"{'>=' if fast else '<'} {CPU_BF16_MIN_SPEEDUP}x threshold")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return {
+        "fp32": Precision("fp32", fp32, fp32, fp32, reason),
+        "bf16-autocast": Precision("bf16-autocast", fp32, bf16, fp32, reason),
+        "bf16-master": Precision("bf16-master", bf16, bf16, fp32, reason),
+        "bf16-pure": Precision("bf16-pure", bf16, bf16, bf16, reason),
+    }[mode]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 2048) -> tuple[float, str]:
+    """bf16 over fp32 throughput of a `rows x hidden @ hidden x intermediate` matmul on this CPU (best of 5)."""
+    def best_seconds(dtype) -> float:
+        a = torch.randn(rows, hidden_size, dtype=dtype)
+        b = torch.randn(hidden_size, intermediate_size, dtype=dtype)
+        a @ b  # warm-up (kernel selection, page faults)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    fp32, bf16 = best_seconds(torch.float32), best_seconds(torch.bfloat16)
+    flops = 2 * rows * hidden_size * intermediate_size
+    detail = (f"{rows}x{hidden_size}x{intermediate_size}: {flops / bf16 / 1e9:.0f} vs {flops / fp32 / 1e9:.0f} GFLOP/s, "
+              f"{torch.get_num_threads()} threads")
+    return fp32 / bf16, detail
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

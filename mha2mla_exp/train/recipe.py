@@ -1,0 +1,331 @@
+"""The recovery fine-tune as a recipe whose steps read in order: setup -> resume -> (step -> log -> checkpoint)*
+-> finish (as torchtune writes its recipes).
+
+On accelerate, so `accelerate launch` / `torchrun` run the same loop under DDP (or FSDP through an accelerate
+config): every process trains; only the main process logs, probes and writes. The rows a step reads are a
+pure function of (seed, step) (`data.rows`), laid out so N processes with the same global batch see what one
+process sees with N times the gradient accumulation: the same losses. Checkpoints are written by all
+processes into a temporary folder and swapped in by the main one between barriers, so a crash, a kill or a
+SLURM requeue resumes from the last complete one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from ..data.rows import local_rows
+from .master_weights import MasterWeights
+from .objectives import Objective, build_objective
+from .precision import Precision
+from .schedule import warmup_constant_sqrt_decay
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+KILL_AT_STEP_ENV = "MHA2MLA_KILL_AT_STEP"  # tests only: SIGKILL every process right after that step
+
+
+class FineTuneDiverged(RuntimeError):
+    """The loss went NaN/inf or exploded; the run is recorded as diverged."""
+
+    def __init__(self, step: int, loss: float, reason: str):
+        super().__init__(f"fine-tune diverged at step {step}: loss={loss} ({reason})")
+        self.step, self.loss = step, loss
+
+
+@dataclass(frozen=True)
+class Budget:
+    tokens_per_step: int
+    steps: int
+    rows_per_step: int
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_per_step * self.steps
+
+
+def plan_budget(train_cfg, *, pretrain_tokens: float | None, num_processes: int = 1) -> Budget:
+    """Optimizer steps for the token budget (`pretrain_share_pct` of the pretraining tokens wins)."""
+    rows = train_cfg.micro_batch_size * train_cfg.grad_accum * num_processes
+    per_step = train_cfg.seq_len * rows
+    share = train_cfg.get("pretrain_share_pct")
+    if share is not None:
+        if not pretrain_tokens:
+            raise ValueError("train.pretrain_share_pct needs model.pretrain_tokens")
+        tokens = share / 100 * pretrain_tokens
+    else:
+        tokens = train_cfg.tokens
+    return Budget(per_step, max(1, math.ceil(tokens / per_step)), rows)
+
+
+class FineTuneRecipe:
+    """One fine-tune of `model` on `rows` (a `data.rows` source); `run()` executes the steps below in order."""
+
+    def __init__(self, model, rows, train_cfg, checkpoint_root: Path, *, precision: Precision, seed: int,
+                 objective: Objective | dict | None = None, teacher=None, pretrain_tokens: float | None = None,
+                 on_log=None, probe=None, fail_at_step: int | None = None):
+        self.model, self.rows, self.cfg = model, rows, train_cfg
+        self.ckpt = Path(checkpoint_root) / CHECKPOINT_DIR
+        self.precision, self.seed, self.pretrain_tokens = precision, seed, pretrain_tokens
+        self.objective = objective if isinstance(objective, Objective) else build_objective(objective)
+        if self.objective.needs_teacher and teacher is None:
+            raise ValueError(f"objective {self.objective.name!r} needs the original model as teacher")
+        self.teacher = teacher if self.objective.needs_teacher else None
+        self.on_log, self.probe, self.fail_at_step = on_log, probe, fail_at_step
+        self.step_count, self.first_loss, self.last_loss = 0, None, float("nan")
+        self.elapsed_before, self.probe_seconds = 0.0, 0.0
+        self.probe_results: dict[int, dict] = {}
+
+    # -------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg, precision = self.cfg, self.precision
+        # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
+        self.accelerator = acc = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+        self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
+        model = self.model.to(dtype=precision.param_dtype)
+        if cfg.freeze_non_attention:
+            for name, p in model.named_parameters():
+                p.requires_grad_(".self_attn." in name)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.master = MasterWeights(trained) if precision.master_weights else None
+        targets = self.master.master if self.master else trained
+        decay = [t for p, t in zip(trained, targets) if p.dim() >= 2]  # no decay on biases and norm weights
+        no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_constant_sqrt_decay(self.budget.steps, cfg.warmup_steps, cfg.decay_fraction)
+        )
+        model.train()
+        if self.master:  # the optimizer steps on the master copies, which no process shares: checkpoint them as objects
+            self.model = acc.prepare(model)
+            self.optimizer = optimizer
+            acc.register_for_checkpointing(self.optimizer, self.master)
+        else:
+            self.model, self.optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        if self.teacher is not None:
+            self.teacher.eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------------------------------- resume
+    def resume(self) -> None:
+        progress = self.ckpt / "progress.json"
+        if not progress.exists():
+            return
+        self.accelerator.load_state(str(self.ckpt))
+        state = json.loads(progress.read_text())
+        self.step_count, self.first_loss, self.elapsed_before = state["step"], state["first_loss"], state["elapsed_s"]
+        self.probe_results = {int(k): v for k, v in state.get("probes", {}).items()}
+        self.rows.load_state_dict(state.get("rows", {}))
+        log.info("resuming fine-tune from step %d/%d", self.step_count, self.budget.steps)
+
+    # --------------------------------------------------------------------------------------------- step
+    def _compute(self):
+        if self.precision.autocast:
+            return torch.autocast(self.accelerator.device.type, dtype=self.precision.compute_dtype)
+        return contextlib.nullcontext()
+
+    def step(self) -> float:
+        """One optimizer update over `grad_accum` micro-batches; returns the mean loss over all processes."""
+        acc, cfg = self.accelerator, self.cfg
+        rows = self.rows.step_rows(self.step_count, self.budget.rows_per_step)
+        total = torch.zeros((), device=acc.device)
+        for micro in range(cfg.grad_accum):
+            batch = local_rows(rows, micro, acc.process_index, acc.num_processes, cfg.micro_batch_size).to(acc.device)
+            teacher_logits = None
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(input_ids=batch, use_cache=False).logits
+            last = micro == cfg.grad_accum - 1
+            with (contextlib.nullcontext() if last else acc.no_sync(self.model)), self._compute():
+                logits = self.model(input_ids=batch, use_cache=False).logits
+                loss = self.objective(logits, batch, teacher_logits) / cfg.grad_accum
+            acc.backward(loss)
+            total += loss.detach().float()
+        if self.master:
+            self.master.grads_to_master()
+            torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
+        else:
+            acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        self.optimizer.step()
+        if self.master:
+            self.master.master_to_model()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return acc.reduce(total, "mean").item()
+
+    # ---------------------------------------------------------------------------------------------- log
+    def log(self, loss: float, elapsed: float, probe: dict | None = None) -> None:
+        """One line per logged step (every `log_every` steps, the last one, and any step that was probed)."""
+        if self.step_count % self.cfg.log_every and self.step_count != self.budget.steps and not probe:
+            return
+        record = {"step": self.step_count, "tokens": self.step_count * self.budget.tokens_per_step, "loss": loss,
+                  "lr": self.scheduler.get_last_lr()[0], "elapsed_s": round(elapsed, 3)} | (probe or {})
+        if self.on_log and self.accelerator.is_main_process:
+            self.on_log(record)
+
+    def divergence(self, loss: float) -> str | None:
+        """Why the loss counts as diverged (NaN/inf, or `divergence_factor` x the first loss), or None."""
+        if not math.isfinite(loss):
+            return "not finite"
+        if loss > self.cfg.divergence_factor * self.first_loss:
+            return f"above {self.cfg.divergence_factor} x first loss {self.first_loss:.3f}"
+        return None
+
+    def maybe_probe(self) -> dict | None:
+        """Held-out perplexity before the first step, every `eval_every` steps and after the last (main process)."""
+        every = int(self.cfg.get("eval_every") or 0)
+        at = self.step_count
+        due = at in (0, self.budget.steps) or (every and at % every == 0)
+        if not self.probe or not due or at in self.probe_results or not self.accelerator.is_main_process:
+            return None
+        t = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        model.eval()
+        with torch.no_grad():  # in the weights' own dtype, never under autocast
+            result = self.probe(model)
+        model.train()
+        self.probe_results[at] = result
+        self.probe_seconds += time.perf_counter() - t
+        return result
+
+    # --------------------------------------------------------------------------------------- checkpoint
+    def checkpoint(self, elapsed: float) -> None:
+        """All processes write into checkpoint.tmp; the main one swaps it in: a crash keeps the previous one."""
+        acc = self.accelerator
+        tmp = self.ckpt.with_name(CHECKPOINT_DIR + ".tmp")
+        if acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings share storage
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            progress = {"step": self.step_count, "first_loss": self.first_loss, "elapsed_s": elapsed,
+                        "probes": self.probe_results, "rows": self.rows.state_dict()}
+            (tmp / "progress.json").write_text(json.dumps(progress))
+            old = self.ckpt.with_name(CHECKPOINT_DIR + ".old")
+            if self.ckpt.exists():
+                self.ckpt.rename(old)
+            tmp.rename(self.ckpt)
+            if old.exists():
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    # ------------------------------------------------------------------------------------------- finish
+    def finish(self, seconds: float) -> dict:
+        acc = self.accelerator
+        model = acc.unwrap_model(self.model)
+        if self.master:
+            self.master.restore_fp32(model)  # keep the exact trained weights, not their bf16 rounding
+        model.eval()
+        self.model = model
+        step, budget = self.step_count, self.budget
+        throughput = step * budget.tokens_per_step / max(seconds, 1e-9)
+        flops = train_flops_per_token(model, self.cfg.seq_len) * throughput
+        rows_read = step * budget.rows_per_step
+        epochs = self.rows.epochs(rows_read)
+        return {
+            "tokens": step * budget.tokens_per_step,
+            "steps": step,
+            "final_loss": self.last_loss,
+            "first_loss": self.first_loss,
+            "objective": self.objective.name,
+            "pretrain_share_pct": 100 * step * budget.tokens_per_step / self.pretrain_tokens
+            if self.pretrain_tokens else None,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(throughput, 1),
+            "achieved_tflops": round(flops / 1e12, 4),
+            "mfu": _mfu(flops, acc),
+            "precision": self.precision.to_record(),
+            "processes": acc.num_processes,
+            "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
+            "heldout_ppl_probe": {str(k): v.get("heldout_ppl_probe") for k, v in sorted(self.probe_results.items())}
+            or None,
+        }
+
+    # ---------------------------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        self.setup()
+        self.resume()
+        acc, total = self.accelerator, self.budget.steps
+        start = time.perf_counter()
+
+        def elapsed() -> float:
+            return self.elapsed_before + time.perf_counter() - start - self.probe_seconds
+
+        before = self.maybe_probe()
+        if before and self.on_log and acc.is_main_process:
+            self.on_log({"step": 0, "tokens": 0, "elapsed_s": 0.0} | before)
+        bar = tqdm(total=total, initial=self.step_count, desc="fine-tune", unit="step",
+                   disable=not acc.is_main_process)
+        while self.step_count < total:
+            loss = self.step()
+            self.last_loss = loss
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            diverged = self.divergence(loss)
+            self.log(loss, elapsed(), None if diverged else self.maybe_probe())
+            if diverged:
+                raise FineTuneDiverged(self.step_count, loss, diverged)
+            every = self.cfg.checkpoint_every
+            if every and self.step_count % every == 0 and self.step_count < total:
+                self.checkpoint(elapsed())
+            if self.fail_at_step is not None and self.step_count == self.fail_at_step:
+                raise RuntimeError(f"simulated crash at step {self.step_count}")
+            if os.environ.get(KILL_AT_STEP_ENV) == str(self.step_count):
+                os.kill(os.getpid(), signal.SIGKILL)  # a hard kill: no handler, no cleanup (tests of resume)
+        bar.close()
+        return self.finish(elapsed())
+
+
+def finetune(model, rows, train_cfg, checkpoint_root: Path, **kwargs) -> tuple[torch.nn.Module, dict]:
+    """Run a `FineTuneRecipe`; returns (the trained, unwrapped model, the record's `train` block)."""
+    recipe = FineTuneRecipe(model, rows, train_cfg, checkpoint_root, **kwargs)
+    record = recipe.run()
+    return recipe.model, record
+
+
+def remove_checkpoint(checkpoint_root: Path) -> None:
+    """The resume point of a finished fine-tune (its weights are saved by the runner first)."""
+    for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".tmp", CHECKPOINT_DIR + ".old"):
+        path = Path(checkpoint_root) / name
+        if path.exists():
+            shutil.rmtree(path)
+
+
+# dense bf16 tensor-core peaks (no sparsity), per device; MFU is left empty elsewhere (CPUs)
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def train_flops_per_token(model, seq_len: int) -> float:
+    """6N for the weights plus 12 * L * d_attn * T for attention scores and mixing (PaLM's estimate)."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6 * n + attn
+
+
+def _mfu(flops_per_s: float, accelerator: Accelerator) -> float | None:
+    if accelerator.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(accelerator.device)
+    peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    return round(flops_per_s / (peak * accelerator.num_processes), 4) if peak else None
