@@ -35,6 +35,7 @@ from .schedule import warmup_constant_sqrt_decay
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
+DIVERGENCE_FLOOR = 1.0  # nats: below it a rising loss is not called diverged
 KILL_AT_STEP_ENV = "MHA2MLA_KILL_AT_STEP"  # tests only: SIGKILL every process right after that step
 
 
@@ -162,6 +163,7 @@ class FineTuneRecipe:
             torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
         else:
             acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this update used (logged with it)
         self.optimizer.step()
         if self.master:
             self.master.master_to_model()
@@ -177,7 +179,7 @@ class FineTuneRecipe:
         if self.step_count % self.cfg.log_every and self.step_count != self.budget.steps and not probe:
             return
         record = {"step": self.step_count, "tokens": self.step_count * self.budget.tokens_per_step, "loss": loss,
-                  "lr": self.scheduler.get_last_lr()[0], "elapsed_s": round(elapsed, 3)} | (probe or {})
+                  "lr": self.step_lr, "elapsed_s": round(elapsed, 3)} | (probe or {})
         if self.on_log and self.accelerator.is_main_process:
             self.on_log(record)
 
@@ -185,7 +187,8 @@ class FineTuneRecipe:
         """Why the loss counts as diverged (NaN/inf, or `divergence_factor` x the first loss), or None."""
         if not math.isfinite(loss):
             return "not finite"
-        if loss > self.cfg.divergence_factor * self.first_loss:
+        # the floor keeps a distillation that starts near 0 (a near-exact conversion) from counting as diverged
+        if loss > self.cfg.divergence_factor * max(self.first_loss, DIVERGENCE_FLOOR):
             return f"above {self.cfg.divergence_factor} x first loss {self.first_loss:.3f}"
         return None
 

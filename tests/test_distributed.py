@@ -1,0 +1,78 @@
+"""Two processes (torchrun, gloo on CPU) run the same code path a multi-GPU job runs: the same losses as one
+process with the same global batch, one record, one metrics line per step, and resume after both ranks are killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# a tiny model on a slice of the offline corpus, fp32 so that the two launches can be compared closely
+COMMON = ["model=tiny_random", "train=smoke", "train.precision=fp32", "train.tokens=4096", "train.checkpoint_every=2",
+          "eval=none", "logger=none", "data.max_documents=24", "calibration.num_sequences=4", "calibration.seq_len=32",
+          "calibration.batch_size=2", "kv_measure_tokens=64", "rope=2-norm", "rope.r=2", "svd.d_kv=8",
+          ]
+
+
+def launch(results_dir: Path, processes: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    if processes == 1:
+        cmd = [sys.executable, "-m", "mha2mla_exp"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "mha2mla_exp"]
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([*cmd, *COMMON, *extra, f"results_dir={results_dir}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def only_record(results_dir: Path) -> tuple[dict, list[dict]]:
+    [path] = list((results_dir / "default").glob("*/results.json"))
+    curve = path.parent / "metrics.jsonl"  # copied from the trained model's folder once training is over
+    metrics = [json.loads(line) for line in curve.read_text().splitlines()] if curve.exists() else []
+    return json.loads(path.read_text()), metrics
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    result = launch(out, 1, "train.micro_batch_size=4", "train.grad_accum=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return only_record(out)
+
+
+def test_two_processes_give_the_one_process_losses(one_process, tmp_path):
+    result = launch(tmp_path, 2, "train.micro_batch_size=4", "train.grad_accum=1")  # same 8 rows per step
+    assert result.returncode == 0, result.stderr[-3000:]
+    (single, single_curve), (double, double_curve) = one_process, only_record(tmp_path)
+    assert double["status"] == single["status"] == "ok"
+    assert double["machine"]["processes"] == 2 and single["machine"]["processes"] == 1
+    assert double["train"]["steps"] == single["train"]["steps"] == 4096 // (32 * 8)
+    losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
+    assert [row["step"] for row in double_curve] == [0, *range(1, single["train"]["steps"] + 1)]  # one line a step
+    for row in double_curve[1:]:
+        assert row["loss"] == pytest.approx(losses[row["step"]], abs=2e-5)
+    assert double["eval"]["perplexity"]["heldout"] == pytest.approx(single["eval"]["perplexity"]["heldout"], rel=1e-4)
+    assert result.stdout.count("[mha2mla_exp] ok:") == 1  # one process reports, one record is written
+
+
+def test_both_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_path):
+    killed = launch(tmp_path, 2, "train.micro_batch_size=4", "train.grad_accum=1", env={"MHA2MLA_KILL_AT_STEP": "7"})
+    assert killed.returncode != 0
+    [progress] = list((tmp_path / "_trained").glob("*/checkpoint/progress.json"))
+    assert json.loads(progress.read_text())["step"] == 6  # the last checkpoint before the kill
+    record, _ = only_record(tmp_path)
+    assert record["status"] == "running"  # a hard kill leaves no chance to write anything else
+
+    resumed = launch(tmp_path, 2, "train.micro_batch_size=4", "train.grad_accum=1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (single, single_curve), (record, curve) = one_process, only_record(tmp_path)
+    assert record["status"] == "ok" and record["resumed"] is True
+    assert [row["step"] for row in curve] == [0, *range(1, single["train"]["steps"] + 1)]  # no duplicate lines
+    losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
+    for row in curve[1:]:
+        assert row["loss"] == pytest.approx(losses[row["step"]], abs=2e-5)

@@ -1,0 +1,133 @@
+"""The fine-tune recipe on a tiny model: pinned losses, precision modes (fp32 master weights), objectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mha2mla_exp.data.rows import FiniteRows, local_rows
+from mha2mla_exp.train import FineTuneRecipe, build_objective, finetune, plan_budget, precision_for
+from mha2mla_exp.train import precision as precision_module
+from tests.conftest import tiny_causal_lm
+
+TRAIN = {"tokens": 2048, "pretrain_share_pct": None, "seq_len": 16, "micro_batch_size": 4, "grad_accum": 2,
+         "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "clip": 1.0, "warmup_steps": 2,
+         "decay_fraction": 0.25, "freeze_non_attention": False, "checkpoint_every": 0, "log_every": 1,
+         "divergence_factor": 4.0, "eval_every": 0}
+
+
+def train_cfg(**changes):
+    return OmegaConf.create(TRAIN | changes)
+
+
+def rows(n=64, seq_len=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return FiniteRows(torch.randint(0, 97, (n, seq_len), generator=g), seed=0)
+
+
+def run_recipe(tmp_path, mode="fp32", model=None, **changes):
+    curve = []
+    model = model or tiny_causal_lm("gqa")
+    trained, record = finetune(model, rows(), train_cfg(**changes), tmp_path, precision=precision_for(mode, "cpu"),
+                               seed=0, on_log=curve.append)
+    return trained, record, curve
+
+
+def test_recipe_pins_its_losses_on_the_tiny_model(tmp_path):
+    # the recipe's numbers (fp32, CPU): a change in data order, schedule, clipping or loss shows up here
+    _, record, curve = run_recipe(tmp_path)
+    losses = [row["loss"] for row in curve]
+    assert record["steps"] == 2048 // (16 * 8) == len(losses)
+    assert losses[:4] == pytest.approx(PINNED_FIRST_LOSSES, abs=1e-4)
+    assert record["final_loss"] == pytest.approx(PINNED_FINAL_LOSS, abs=1e-4)
+    assert [row["lr"] for row in curve[:3]] == pytest.approx([5e-4, 1e-3, 1e-3])  # warm-up over 2 steps
+
+
+PINNED_FIRST_LOSSES = [4.5867, 4.5746, 4.6008, 4.5815]
+PINNED_FINAL_LOSS = 4.3891
+
+
+def test_global_batch_split_does_not_change_the_rows_read():
+    source = rows(n=40)
+    step = source.step_rows(3, 8)
+    one = torch.cat([local_rows(step, m, 0, 1, 4) for m in range(2)])             # 1 process x 2 micro-batches
+    two = torch.cat([local_rows(step, 0, p, 2, 4) for p in range(2)])             # 2 processes x 1
+    four = torch.cat([local_rows(step, m, p, 2, 2) for m in range(2) for p in range(2)])  # 2 x 2 of 2 rows
+    assert torch.equal(one, two) and torch.equal(one, four) and torch.equal(one, step)
+    assert plan_budget(train_cfg(), pretrain_tokens=None, num_processes=2).rows_per_step == 16
+
+
+def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeypatch):
+    cuda = precision_for("auto", "cuda")
+    assert (cuda.mode, cuda.param_dtype, cuda.compute_dtype, cuda.optimizer_dtype) == \
+        ("bf16-autocast", torch.float32, torch.bfloat16, torch.float32)
+    monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (4.6, "probe"))
+    fast = precision_for("auto", "cpu")
+    assert fast.mode == "bf16-master" and fast.optimizer_dtype == torch.float32 and "4.60x" in fast.reason
+    monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (0.9, "probe"))
+    assert precision_for("auto", "cpu").mode == "fp32"
+    with pytest.raises(ValueError, match="train.precision: unknown 'bf8'"):
+        precision_for("bf8", "cpu")
+
+
+def fraction_changed(before: dict, model) -> float:
+    after = model.state_dict()
+    changed = total = 0
+    for name, value in before.items():
+        if name.endswith("weight") and value.dim() == 2:
+            changed += (after[name].float() != value.float()).sum().item()
+            total += value.numel()
+    return changed / total
+
+
+def test_master_weights_keep_the_small_updates_bf16_weights_round_away(tmp_path):
+    # lr 1e-5 against weights of ~0.02: a bf16 weight's spacing there is ~1e-4, so pure-bf16 updates vanish
+    start = tiny_causal_lm("gqa")
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+    master, record, _ = run_recipe(tmp_path / "m", "bf16-master", model=tiny_causal_lm("gqa"), lr=1e-5, tokens=512)
+    pure, _, _ = run_recipe(tmp_path / "p", "bf16-pure", model=tiny_causal_lm("gqa"), lr=1e-5, tokens=512)
+    assert next(master.parameters()).dtype == torch.float32  # the exact master weights come back, not their rounding
+    assert fraction_changed(before, master) > 0.9
+    assert fraction_changed({k: v.to(torch.bfloat16) for k, v in before.items()}, pure) < 0.2
+    assert record["precision"] == {"mode": "bf16-master", "param_dtype": "bfloat16", "compute_dtype": "bfloat16",
+                                   "optimizer_dtype": "float32", "reason": "set in the config"}
+
+
+def test_autocast_trains_fp32_weights_and_leaves_no_autocast_behind(tmp_path):
+    model, record, curve = run_recipe(tmp_path, "bf16-autocast", tokens=512)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ids = torch.randint(0, 97, (1, 8))
+    assert model(input_ids=ids).logits.dtype == torch.float32  # evaluation outside any autocast wrapper
+    assert record["precision"]["compute_dtype"] == "bfloat16" and record["precision"]["param_dtype"] == "float32"
+    _, fp32, fp32_curve = run_recipe(tmp_path / "fp32", "fp32", tokens=512)
+    assert curve[-1]["loss"] == pytest.approx(fp32_curve[-1]["loss"], abs=0.05)  # bf16 compute, same recipe
+    assert curve[-1]["loss"] != fp32_curve[-1]["loss"]
+
+
+def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path):
+    student, teacher = tiny_causal_lm("gqa"), tiny_causal_lm("gqa")
+    curve = []
+    recipe = FineTuneRecipe(student, rows(), train_cfg(tokens=256, lr=1e-3), tmp_path,
+                            precision=precision_for("fp32", "cpu"), seed=0, objective={"name": "kd"},
+                            teacher=teacher, on_log=curve.append)
+    recipe.run()
+    assert curve[0]["loss"] == pytest.approx(0.0, abs=1e-6)  # KL(p || p) = 0 before the first update
+
+
+def test_objectives_mix_and_check_their_arguments():
+    logits, ids = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    teacher = torch.randn(2, 6, 11)
+    ce, kd = build_objective({"name": "ce"}), build_objective({"name": "kd", "temperature": 2.0})
+    half = build_objective({"name": "ce+kd", "kd_weight": 0.5, "temperature": 2.0})
+    assert half(logits, ids, teacher) == pytest.approx(0.5 * ce(logits, ids) + 0.5 * kd(logits, ids, teacher))
+    assert build_objective({"name": "ce+kd", "kd_weight": 0.0})(logits, ids, teacher) == pytest.approx(ce(logits, ids))
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    assert ce(logits, ids) == pytest.approx(reference.item())
+    with pytest.raises(ValueError, match="objective.name: unknown 'mse'"):
+        build_objective({"name": "mse"})
+    with pytest.raises(ValueError, match="objective.kd_weight"):
+        build_objective({"name": "ce+kd", "kd_weight": 2})
+    with pytest.raises(ValueError, match="needs the original model as teacher"):
+        FineTuneRecipe(tiny_causal_lm("gqa"), rows(), train_cfg(), "/tmp", precision=precision_for("fp32", "cpu"),
+                       seed=0, objective={"name": "kd"})
