@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
-# Paper Table 5 (r ablation on 135M).
+# Paper Table 5 (r ablation on 135M) at the paper's budget.
 set -euo pipefail
-python -m mha2mla_exp +experiment=r_ablation model=smollm_135m data=smollm_corpus train=paper_135m eval=commonsense_full "$@"
+for model in smollm_135m; do
+  python -m mha2mla_exp +experiment=paper_table5 model=$model "$@"
+done

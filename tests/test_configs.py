@@ -34,8 +34,27 @@ def test_every_group_option_composes(group):
         OmegaConf.resolve(cfg)  # interpolations must resolve too
 
 
+def offline_longbench(cfg, folder: Path) -> list[str]:
+    """LongBench data come from the hub; offline, a folder in its format stands in (validation reads no doc)."""
+    if not cfg.eval.longbench.enabled:
+        return []
+    from mha2mla_exp.evaluation.longbench import SUBSETS
+
+    for subset in SUBSETS:
+        (folder / f"{subset}.jsonl").write_text("")
+    return [f"eval.longbench.data_dir={folder}"]
+
+
+@pytest.fixture
+def aws_access(monkeypatch):
+    """The paper's mixture reads python-edu from S3; these tests compose it on machines without AWS access."""
+    from mha2mla_exp.data import sources
+
+    monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)
+
+
 @pytest.mark.parametrize("name", options("experiment"))
-def test_every_experiment_and_cell_composes_and_validates(name):
+def test_every_experiment_and_cell_composes_and_validates(name, aws_access, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], hydra=True)
     assert cfg.experiment == name
     assert str(cfg.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"), "an experiment runs its own grid"
@@ -52,8 +71,9 @@ def test_every_experiment_and_cell_composes_and_validates(name):
     import itertools
 
     names = set()
+    offline = offline_longbench(cfg, tmp_path)
     for combo in itertools.product(*grids):
-        cell = compose_cfg([f"+experiment={name}", *combo])
+        cell = compose_cfg([f"+experiment={name}", *combo, *offline])
         plan = validate(cell)
         names.add(describe(plan, cell))
     assert len(names) == len(list(itertools.product(*grids))), "two cells of the grid would share a run name"
@@ -98,6 +118,14 @@ def test_main_table_uses_each_models_three_d_kv():
         (["svd.sigma=left"], "svd.sigma"),
         (["variant=distilled"], "variant"),
         (["kv_quant=hqq4", "kv_quant.nbits=5"], "kv_quant.nbits"),
+        (["kv_quant=quanto4", "kv_quant.nbits=3"], "kv_quant.nbits"),
+        (["kv_quant=hqq4", "kv_quant.q_group_size=0"], "kv_quant.q_group_size"),
+        (["model=smollm_1b7", "train.seq_len=4096"], "train.seq_len"),
+        (["train.precision=fp8"], "train.precision"),
+        (["objective=kd", "variant=finetuned_full_attention"], "objective.name"),
+        (["objective=ce_kd", "objective.kd_weight=3"], "objective.kd_weight"),
+        (["train.global_batch_rows=64"], "train.grad_accum"),
+        (["device=tpu"], "device"),
         (["kv_quant.backend=bnb", "kv_quant.nbits=4"], "kv_quant.backend"),
         (["model.source=local", "model.id=/nonexistent/model"], "model"),
         (["model.source=asset", "model.id=no-such-asset"], "model"),
@@ -112,3 +140,71 @@ def test_bad_configs_fail_before_loading_with_the_field_named(overrides, field):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert str(err.value).startswith(field), str(err.value)
+
+
+PAPER_BUDGETS = {  # (optimizer steps, sequences per step, sequence length): METHOD.md, the paper's v1 recipe
+    "smollm_135m": (18000, 64, 2048), "smollm_360m": (18000, 64, 2048), "smollm_1b7": (12000, 256, 2048),
+    "llama2_7b": (12000, 256, 4096),
+}
+
+
+def sweep_commands(script: Path) -> list[list[str]]:
+    """The `python -m mha2mla_exp ...` command lines of a sweep script, its `for model in ...` loop expanded."""
+    import re
+    import shlex
+
+    text = script.read_text()
+    models = re.search(r"for model in ([^;]+);", text).group(1).split()
+    [line] = [l.strip() for l in text.splitlines() if l.strip().startswith("python -m mha2mla_exp")]
+    args = [a for a in shlex.split(line)[3:] if a != "$@"]
+    return [[a.replace("$model", m) for a in args] for m in models]
+
+
+@pytest.mark.parametrize("script", sorted((CONF.parent / "sweeps").glob("paper_table*.sh")), ids=lambda p: p.stem)
+def test_paper_sweeps_pair_each_model_with_its_budget_length_and_calibration(script, aws_access, tmp_path):
+    commands = sweep_commands(script)
+    assert commands
+    for overrides in commands:
+        cfg = compose_cfg(overrides)
+        cfg = compose_cfg(overrides + offline_longbench(cfg, tmp_path))
+        model = cfg.model.name
+        steps, batch, length = PAPER_BUDGETS[next(m for m in PAPER_BUDGETS if f"model={m}" in overrides)]
+        assert cfg.data.name == "smollm-corpus" and cfg.data.source == "hub", model
+        assert cfg.train.seq_len == length == cfg.data.seq_len <= cfg.model.shape.context_length, model
+        assert cfg.train.tokens == steps * batch * length, model
+        assert cfg.train.micro_batch_size * cfg.train.grad_accum == batch == cfg.train.global_batch_rows, model
+        assert (cfg.calibration.num_sequences, cfg.calibration.seq_len) == (1024, length), model
+        validate(cfg)
+
+
+def test_paper_share_of_pretraining_tokens():
+    cfg = compose_cfg(["+experiment=paper_table1", "model=smollm_135m"])
+    share = 100 * cfg.train.tokens / cfg.model.pretrain_tokens
+    assert 0.3 <= share <= 0.6  # the paper's claim: 0.3-0.6 % of the pretraining tokens
+
+
+def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_access):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention"])
+    with pytest.raises(ConfigError, match=r"train\.grad_accum: .* 8 processes = 512 rows .* is 64: set train\.grad_accum=0|"
+                                          r"choose micro_batch_size"):
+        validate(cfg)
+    ok = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention",
+                      "train.micro_batch_size=8", "train.grad_accum=1"])
+    assert validate(ok).fine_tune
+
+
+def test_an_unsupported_architecture_fails_before_loading(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    cfg = compose_cfg([f"model.source=local", f"model.id={folder}"])
+    with pytest.raises(ConfigError, match=r"model\.id: .* is a 'gpt2' model; the MLA conversion handles"):
+        validate(cfg)
+    assert validate(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"])).spec is None
+
+
+def test_hqq_three_bits_validates_and_quanto_three_bits_does_not():
+    assert validate(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"])).kv_quant["nbits"] == 3
+    with pytest.raises(ConfigError, match="kv_quant.nbits: 3 is not supported by quanto"):
+        validate(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"]))

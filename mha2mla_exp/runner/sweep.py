@@ -20,8 +20,9 @@ OUTCOMES = "cells.jsonl"
 FAILED = ("failed", "invalid", "interrupted", "crashed")
 
 
-class SweepFailed(RuntimeError):
-    """Some cells of a multirun failed; the message lists them."""
+class SweepFailed(SystemExit):
+    """Some cells of a multirun failed; the message lists them. A SystemExit: Hydra turns an Exception raised
+    in a callback into a warning, and the exit code is the point."""
 
 
 class SweepSummary(Callback):

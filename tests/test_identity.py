@@ -1,0 +1,70 @@
+"""A run's identity: what changes the numbers is in its hash (device, precision, global batch), what only
+observes it is not (logging, checkpoint cadence, probes, a disabled block); the trained model and its
+evaluation have separate identities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mha2mla_exp.runner import validate
+from mha2mla_exp.runner.config import describe_trained
+from tests.test_runner import smoke_cfg
+
+BASE = ("train.precision=fp32",)
+
+
+def plan(*overrides, tmp="/tmp/identity"):
+    from pathlib import Path
+
+    return validate(smoke_cfg(Path(tmp), "mla_2-norm_joint", *BASE, *overrides))
+
+
+@pytest.mark.parametrize("observer", [
+    "train.log_every=5", "train.checkpoint_every=7", "train.eval_every=3", "train.eval_batches=9",
+    "train.epochs_allowed=true", "distill.lr=0.5", "distill.epochs=9", "logger=wandb_offline",
+    "model.paper_name=renamed",
+])
+def test_observers_change_no_identity(observer):
+    base, observed = plan(), plan(observer)
+    assert (observed.trained_hash, observed.eval_hash) == (base.trained_hash, base.eval_hash), observer
+
+
+@pytest.mark.parametrize("setting, which", [
+    ("train.lr=2e-4", "trained"), ("train.tokens=4096", "trained"), ("seed=1", "trained"),
+    ("svd.d_kv=4", "trained"), ("distill.enabled=true", "trained"), ("objective=kd", "trained"),
+    ("train.precision=bf16-master", "trained"), ("train.freeze_non_attention=true", "trained"),
+    ("kv_quant=hqq4", "eval"), ("eval.perplexity.max_batches=1", "eval"), ("kv_measure_tokens=32", "eval"),
+])
+def test_what_changes_the_numbers_changes_the_right_identity(setting, which):
+    base, changed = plan(), plan(setting)
+    assert (changed.trained_hash != base.trained_hash) == (which == "trained"), setting
+    assert (changed.eval_hash != base.eval_hash) == (which == "eval"), setting
+    assert changed.run_hash != base.run_hash
+
+
+def test_the_global_batch_is_the_identity_not_its_split():
+    assert plan("train.micro_batch_size=2", "train.grad_accum=4").trained_hash == plan().trained_hash  # 8 rows either way
+    assert plan("train.micro_batch_size=2", "train.grad_accum=2").trained_hash != plan().trained_hash  # 4 rows
+
+
+def test_device_and_precision_are_part_of_the_trained_identity(monkeypatch):
+    cpu = plan("train.precision=auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = plan("train.precision=auto")
+    assert cuda.device_type == "cuda" and cuda.precision.mode == "bf16-autocast"
+    assert cuda.trained_hash != cpu.trained_hash
+    assert cuda.eval_dtype == "bfloat16" and cpu.eval_dtype == "float32"
+
+
+def test_an_untrained_model_is_the_same_in_any_training_precision():
+    a = validate(smoke_cfg("/tmp/identity", "original", "train.precision=fp32"))
+    b = validate(smoke_cfg("/tmp/identity", "original", "train.precision=bf16-master", "train.lr=1.0"))
+    assert a.trained_hash == b.trained_hash and not a.trains
+
+
+def test_trained_names_say_what_was_trained_and_how():
+    p = plan("objective=kd", "train.freeze_non_attention=true", "train.precision=bf16-master")
+    cfg = smoke_cfg("/tmp/identity", "mla_2-norm_joint", "objective=kd", "train.freeze_non_attention=true",
+                    "train.precision=bf16-master")
+    assert describe_trained(p, cfg).endswith("__ft2.048k-kd-attn-bf16m__s0")
