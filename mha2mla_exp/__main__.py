@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,10 +12,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .runner import ConfigError, run, run_dir_for, validate
+from .runner import ConfigError, run
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("mha2mla_exp")
+
+
+def export_submitit_distributed_env() -> None:
+    """A SLURM cell with several tasks (hydra.launcher.tasks_per_node=N): give each task the RANK / WORLD_SIZE /
+    MASTER_ADDR that torchrun would, so accelerate sets up the process group as under `torchrun`."""
+    if "RANK" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -23,6 +35,7 @@ def main(cfg: DictConfig) -> dict:
     end and exits non-zero if any failed) instead of stopping the others."""
     sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the progress
+    export_submitit_distributed_env()
     try:
         record = run(cfg)
     except ConfigError as err:
@@ -34,16 +47,9 @@ def main(cfg: DictConfig) -> dict:
     except Exception as err:
         if sweeping:
             log.exception("run failed; continuing the sweep")
-            return {"status": "failed", "error": f"{type(err).__name__}: {err}", "run_dir": _run_dir(cfg)}
+            return {"status": "failed", "error": f"{type(err).__name__}: {err}"}
         raise
-    return {"status": record["status"], "error": record.get("error"), "run_dir": _run_dir(cfg)}
-
-
-def _run_dir(cfg: DictConfig) -> str | None:
-    try:
-        return str(run_dir_for(cfg, validate(cfg)))
-    except Exception:
-        return None
+    return {"status": record["status"], "error": record.get("error"), "run_dir": record.get("run_dir")}
 
 
 if __name__ == "__main__":

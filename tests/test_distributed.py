@@ -76,3 +76,18 @@ def test_both_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_pa
     losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
     for row in curve[1:]:
         assert row["loss"] == pytest.approx(losses[row["step"]], abs=2e-5)
+
+
+def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_path):
+    # submitit's local executor runs the SLURM launcher's code: one cell, tasks_per_node=2, each task a rank
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "mha2mla_exp", "-m", *COMMON, "train.micro_batch_size=4", "train.grad_accum=1",
+         f"results_dir={tmp_path}", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (single, single_curve), (record, curve) = one_process, only_record(tmp_path)
+    assert record["status"] == "ok" and record["machine"]["processes"] == 2
+    assert [row["step"] for row in curve] == [row["step"] for row in single_curve]
+    assert record["train"]["final_loss"] == pytest.approx(single["train"]["final_loss"], abs=2e-5)

@@ -48,9 +48,11 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     if previous and previous.get("status") in FINAL_STATUSES:
         if dist.is_main_process:
             print(f"[mha2mla_exp] already done ({previous['status']}): {run_dir}")
-        return previous
+        return previous | {"run_dir": str(run_dir)}
     for note in plan.notes:
         log.warning("not checked before loading: %s", note)
+    if cfg.get("dry_run"):
+        return _plan_only(cfg, plan, run_dir, dist)
 
     # the inputs before any weight: a budget the corpus cannot hold is a config error, found in seconds
     tokenizer = stages.load_tokenizer(cfg)
@@ -67,6 +69,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     trained = trained_model_for(cfg, plan)
     record = {
         "run_name": run_dir.name,
+        "run_dir": str(run_dir),
         "experiment": cfg.experiment,
         "status": "running",
         "error": None,
@@ -114,6 +117,25 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         if record["status"] == "ok":
             print(headline(record))
     return record
+
+
+def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
+    """`dry_run=true`: what the run would do, from the config alone (nothing loaded, nothing written)."""
+    lines = [f"[mha2mla_exp] plan: {run_dir}"]
+    if plan.trains:
+        trained = trained_model_for(cfg, plan)
+        lines.append(f"  trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})")
+    if plan.fine_tune:
+        from ..train import plan_budget
+
+        budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.get("pretrain_tokens"),
+                             num_processes=dist.num_processes)
+        lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
+                     f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
+    lines += [f"  note: {note}" for note in plan.notes]
+    if dist.is_main_process:
+        print("\n".join(lines))
+    return {"status": "planned", "error": None, "run_name": run_dir.name, "run_dir": str(run_dir)}
 
 
 def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:

@@ -9,6 +9,7 @@ the launching process reads them back when the sweep is over.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -28,8 +29,8 @@ class SweepFailed(SystemExit):
 class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         hydra = HydraConfig.get()
-        if str(hydra.mode) not in ("MULTIRUN", "RunMode.MULTIRUN"):
-            return
+        if str(hydra.mode) not in ("MULTIRUN", "RunMode.MULTIRUN") or os.environ.get("RANK", "0") != "0":
+            return  # one line per cell, from its main process
         outcome = {"cell": hydra.job.num, "overrides": " ".join(hydra.overrides.task)}
         if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, dict):
             outcome |= job_return.return_value
@@ -39,6 +40,8 @@ class SweepSummary(Callback):
             f.write(json.dumps(outcome) + "\n")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if os.environ.get("RANK", "0") != "0":
+            return
         path = Path(config.hydra.sweep.dir) / OUTCOMES
         outcomes = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
         outcomes.sort(key=lambda o: o["cell"])
