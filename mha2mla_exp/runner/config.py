@@ -244,6 +244,7 @@ def _field_for(message: str) -> str:
     return f"{field}: " if field else ""
 
 
+PAPER_LR = 1e-4
 _PRECISION_TAGS = {"fp32": "", "bf16-autocast": "bf16a", "bf16-master": "bf16m", "bf16-pure": "bf16p"}
 
 
@@ -269,6 +270,8 @@ def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
         budget = _short_count(t.tokens) if t.pretrain_share_pct is None else f"{t.pretrain_share_pct}pct"
         recipe = "" if cfg.objective.name == "ce" else f"-{cfg.objective.name}"
         recipe += "-attn" if t.freeze_non_attention else ""
+        recipe += f"-lr{float(t.lr):g}" if float(t.lr) != PAPER_LR else ""
+        recipe += "-compiled" if t.get("compile") else ""
         recipe += f"-{_PRECISION_TAGS[plan.precision.mode]}" if _PRECISION_TAGS[plan.precision.mode] else ""
         parts.append(f"ft{budget}{recipe}")
     parts.append(f"s{cfg.seed}")

@@ -113,6 +113,8 @@ class FineTuneRecipe:
             optimizer, warmup_constant_sqrt_decay(self.budget.steps, cfg.warmup_steps, cfg.decay_fraction)
         )
         model.train()
+        if cfg.get("compile"):  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation
+            model.forward = torch.compile(model.forward, dynamic=False)
         if self.master:  # the optimizer steps on the master copies, which no process shares: checkpoint them as objects
             self.model = acc.prepare(model)
             self.optimizer = optimizer
@@ -258,6 +260,8 @@ class FineTuneRecipe:
             "mfu": _mfu(flops, acc),
             "precision": self.precision.to_record(),
             "processes": acc.num_processes,
+            "compiled": bool(self.cfg.get("compile")),
+            "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
             "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
             "heldout_ppl_probe": {str(k): v.get("heldout_ppl_probe") for k, v in sorted(self.probe_results.items())}
             or None,
@@ -324,6 +328,13 @@ def train_flops_per_token(model, seq_len: int) -> float:
     n = sum(p.numel() for p in model.parameters())
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6 * n + attn
+
+
+def _load_avg() -> float | None:
+    try:
+        return round(os.getloadavg()[1], 2)
+    except OSError:
+        return None
 
 
 def _mfu(flops_per_s: float, accelerator: Accelerator) -> float | None:
