@@ -104,6 +104,9 @@ def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
     assert "diverged at step" in record["error"]
     again = run(cfg)  # a diverged run is a result: not rerun
     assert again["status"] == "diverged"
+    other_eval = run(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.lr=5.0", "train.warmup_steps=0",
+                               "train.divergence_factor=1.05", "train.tokens=8192", "kv_measure_tokens=32"))
+    assert other_eval["status"] == "diverged" and "kept record" in other_eval["error"]  # known, not retrained
 
 
 def test_invalid_config_exits_before_loading(tmp_path):

@@ -104,3 +104,19 @@ def test_a_streamed_corpus_trains_on_fresh_rows_and_resumes_exactly(tmp_path):
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-6)
     assert resumed["eval"]["perplexity"]["heldout"] == pytest.approx(reference["eval"]["perplexity"]["heldout"],
                                                                       rel=1e-6)
+
+
+def test_a_run_that_trains_loads_fp32_master_weights_even_where_auto_means_bf16(monkeypatch, tmp_path):
+    import torch
+
+    from mha2mla_exp import models
+
+    seen = []
+    monkeypatch.setattr(models, "load_model", lambda cfg, device=None, dtype=None: seen.append(dtype))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    trains = validate(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.precision=auto", "model.dtype=auto"))
+    evaluates = validate(smoke_cfg(tmp_path, "original", "model.dtype=auto"))
+    assert trains.precision.param_dtype == torch.float32 and trains.precision.compute_dtype == torch.bfloat16
+    stages.load(smoke_cfg(tmp_path, "mla_2-norm_joint", "model.dtype=auto"), trains, torch.device("cpu"))
+    stages.load(smoke_cfg(tmp_path, "original", "model.dtype=auto"), evaluates, torch.device("cpu"))
+    assert seen == ["float32", "bfloat16"]  # trained: fp32 masters (bf16 only as compute); evaluated only: bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -173,7 +174,14 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
             record["reused_trained_model"] = True
             log.info("reusing the kept trained model %s", trained.dir)
             return model
-        model = _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+        try:
+            model = _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+        except FineTuneDiverged as err:  # a result of the trained model: its other evaluations need not retry it
+            if dist.is_main_process:
+                write_json_atomic(trained.dir / "trained.json", {
+                    "status": "diverged", "trained_hash": plan.trained_hash,
+                    "train": {"diverged_at_step": err.step, "loss": err.loss}})
+            raise
     dist.wait_for_everyone()
     return model
 
@@ -197,7 +205,13 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
     original, model = model, stages.convert(plan, model, stages.calibration_batches(cfg, plan, data))
     timings["convert_s"] = round(time.perf_counter() - t, 3)
     if plan.distill:
-        record["distill"] = stages.distill(cfg, original, model, data)
+        done = trained.dir / "distill.json"
+        if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
+            record["distill"] = json.loads(done.read_text())
+        else:
+            record["distill"] = stages.distill(cfg, original, model, data)
+            if dist.is_main_process:
+                write_json_atomic(done, record["distill"])
         timings["distill_s"] = record["distill"]["seconds"]
     _describe_model(record, plan, model)
 
@@ -246,10 +260,9 @@ def _evaluate(cfg, plan, model, tokenizer, data, record) -> None:
 
 
 def _checkpoint_step(root: Path) -> int:
-    import json
-
+    """The step the fine-tune resumes after (-1: it starts afresh, so no line of an earlier attempt is kept)."""
     progress = Path(root) / "checkpoint" / "progress.json"
-    return json.loads(progress.read_text())["step"] if progress.exists() else 0
+    return json.loads(progress.read_text())["step"] if progress.exists() else -1
 
 
 class _Tracker:

@@ -94,7 +94,8 @@ class FineTuneRecipe:
     def setup(self) -> None:
         cfg, precision = self.cfg, self.precision
         # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
-        self.accelerator = acc = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+        on_cpu = next(self.model.parameters()).device.type == "cpu"  # the runner placed it (device=cpu on a GPU host too)
+        self.accelerator = acc = Accelerator(mixed_precision="no", cpu=on_cpu)
         self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
         model = self.model.to(dtype=precision.param_dtype)
         if cfg.freeze_non_attention:
@@ -237,6 +238,8 @@ class FineTuneRecipe:
     def finish(self, seconds: float) -> dict:
         acc = self.accelerator
         model = acc.unwrap_model(self.model)
+        if "forward" in vars(model):  # the compiled forward: evaluation's many shapes would recompile it
+            del model.forward
         if self.master:
             self.master.restore_fp32(model)  # keep the exact trained weights, not their bf16 rounding
         model.eval()
