@@ -268,6 +268,7 @@ class FineTuneRecipe:
             "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
             "heldout_ppl_probe": {str(k): v.get("heldout_ppl_probe") for k, v in sorted(self.probe_results.items())}
             or None,
+            "probe_dtype": str(self.precision.param_dtype).removeprefix("torch."),  # the weights' own, no autocast
         }
 
     # ---------------------------------------------------------------------------------------------- run
