@@ -1,21 +1,76 @@
-"""`python -m mha2mla_exp.bench.train_precision RUNS_DIR OUT_DIR`: the training-precision benchmark on this CPU.
+"""The training-precision benchmark on this CPU: how fast each mode trains, and whether it recovers as well as fp32.
 
-Reads the run records of `+experiment=cpu_precision` (fp32 and each bf16 mode, eager and compiled, the same
-conversion and tokens) and writes OUT_DIR/README.md (tokens/s, speed-up over fp32, held-out perplexity at equal
-tokens, evaluated in fp32 for every mode), summary.csv, curves.png (the in-run probe curves against tokens and
-against seconds) and machine.json (the CPU's model name and bf16 flags, and the matmul probe that `auto` uses).
+    python -m mha2mla_exp.bench.train_precision throughput --out results/bench/cpu_train   # on an idle machine
+    python -m mha2mla_exp +experiment=cpu_precision results_dir=results/runs              # recovery at equal tokens
+    python -m mha2mla_exp.bench.train_precision summary results/runs/cpu_precision --out results/bench/cpu_train
+
+`throughput` times the fine-tune recipe's optimizer steps (8 x 256 tokens, the CPU default) on the real
+SmolLM2-135M converted at d_kv=16 (the recovery study's shapes), for every precision mode, eager and compiled,
+after warm-up steps (compilation included in those); `summary` reads the cpu_precision run records (the same
+conversion and rows in every mode, evaluated in fp32) and writes README.md, summary.csv, curves.png and
+machine.json (the CPU's model name, its bf16 flags, the matmul probe that `train.precision=auto` uses).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pandas as pd
+import torch
+from omegaconf import OmegaConf
 
 from ..runner.record import cpu_model
-from ..train.precision import cpu_bf16_speedup
+from ..train.precision import MODES, cpu_bf16_speedup, precision_for
+
+RECIPE = {"pretrain_share_pct": None, "seq_len": 256, "micro_batch_size": 4, "grad_accum": 2, "lr": 1e-4,
+          "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "clip": 1.0, "warmup_steps": 1,
+          "decay_fraction": 0.0, "freeze_non_attention": False, "checkpoint_every": 0, "log_every": 1,
+          "divergence_factor": 100.0, "eval_every": 0}
+
+
+def study_model():
+    """SmolLM2-135M converted with the recovery study's shapes (d_kv=16, r=4); no calibration needed for speed."""
+    from ..mla import convert_to_mla
+    from ..models import load_model
+
+    base, _ = load_model(OmegaConf.load(Path(__file__).parents[2] / "conf/model/smollm2_135m.yaml"), device="cpu",
+                         dtype="float32")
+    return convert_to_mla(base, rope="high", r=4, svd="joint", d_kv=16)
+
+
+def measure_throughput(model, warmup: int, steps: int, modes: list[str], compile_options: list[bool],
+                       recipe: dict | None = None) -> pd.DataFrame:
+    """Seconds per optimizer step of the fine-tune recipe for each mode, after `warmup` untimed steps."""
+    from ..data.rows import FiniteRows
+    from ..train import finetune
+
+    recipe = RECIPE | (recipe or {})
+    rows = FiniteRows(torch.randint(0, model.config.vocab_size, (512, recipe["seq_len"]),
+                                    generator=torch.Generator().manual_seed(0)), seed=0)
+    per_step = recipe["seq_len"] * recipe["micro_batch_size"] * recipe["grad_accum"]
+    out = []
+    for compiled in compile_options:
+        for mode in modes:
+            curve = []
+            cfg = OmegaConf.create(recipe | {"tokens": per_step * (warmup + steps), "compile": compiled})
+            with tempfile.TemporaryDirectory() as tmp:
+                finetune(copy.deepcopy(model), rows, cfg, Path(tmp), precision=precision_for(mode, "cpu"), seed=0,
+                         on_log=curve.append)
+            times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(curve, curve[1:])][warmup - 1:]
+            seconds = sum(times) / len(times)
+            out.append({"mode": mode + (" + compile" if compiled else ""), "seconds_per_step": round(seconds, 3),
+                        "tokens_per_s": round(per_step / seconds, 1), "first_step_s": curve[0]["elapsed_s"],
+                        "timed_steps": len(times), "load_avg_1m": round(os.getloadavg()[0], 2)})
+            print(out[-1], flush=True)
+    table = pd.DataFrame(out)
+    fp32 = table.loc[table["mode"] == "fp32", "tokens_per_s"]
+    table["speedup_vs_fp32"] = (table["tokens_per_s"] / fp32.iloc[0]).round(2) if len(fp32) else float("nan")
+    return table
 
 
 def load_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -25,22 +80,16 @@ def load_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         if record.get("status") != "ok" or not record.get("train"):
             continue
         train = record["train"]
-        name = train["precision"]["mode"] + (" + compile" if train.get("compiled") else "")
-        rows.append({"mode": name, "tokens": train["tokens"], "seconds": train["seconds"],
-                     "tokens_per_s": train["tokens_per_s"], "final_loss": train["final_loss"],
-                     "heldout_ppl": record["eval"]["perplexity"]["heldout"], "eval_dtype": record.get("eval_dtype"),
-                     "load_avg_5m": train.get("load_avg_5m"), "run": path.parent.name})
+        mode = train["precision"]["mode"]
+        rows.append({"mode": mode, "tokens": train["tokens"], "heldout_ppl_fp32": record["eval"]["perplexity"]["heldout"],
+                     "final_probe_ppl": list((train.get("heldout_ppl_probe") or {}).values())[-1],
+                     "probe_dtype": train.get("probe_dtype"), "final_loss": train["final_loss"],
+                     "tokens_per_s_shared": train["tokens_per_s"], "load_avg_5m": train.get("load_avg_5m")})
         for line in (path.parent / "metrics.jsonl").read_text().splitlines():
             step = json.loads(line)
             if "heldout_ppl_probe" in step:
-                curves.append({"mode": name, "tokens": step["tokens"], "seconds": step["elapsed_s"],
-                               "ppl": step["heldout_ppl_probe"]})
-    table = pd.DataFrame(rows)
-    if len(table):
-        fp32 = table.loc[table["mode"] == "fp32", "tokens_per_s"]
-        table["speedup_vs_fp32"] = table["tokens_per_s"] / fp32.iloc[0] if len(fp32) else float("nan")
-        table = table.sort_values("tokens_per_s", ascending=False).reset_index(drop=True)
-    return table, pd.DataFrame(curves)
+                curves.append({"mode": mode, "tokens": step["tokens"], "ppl": step["heldout_ppl_probe"]})
+    return pd.DataFrame(rows), pd.DataFrame(curves)
 
 
 def plot(curves: pd.DataFrame, path: Path) -> None:
@@ -49,57 +98,74 @@ def plot(curves: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for mode, curve in curves.groupby("mode"):
-        for ax, x in zip(axes, ("tokens", "seconds")):
-            ax.plot(curve[x], curve["ppl"], marker="o", ms=3, label=mode)
-    for ax, x in zip(axes, ("fine-tune tokens", "training seconds (probes excluded)")):
-        ax.set_xlabel(x)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("held-out perplexity (probe, 32 x 512 rows)")
-    axes[1].legend(fontsize=8)
-    fig.suptitle("Recovery by training precision, SmolLM2-135M d_kv=16, same rows")
+        ax.plot(curve["tokens"], curve["ppl"], marker="o", ms=3, label=mode)
+    ax.set(xlabel="fine-tune tokens", ylabel="held-out perplexity (probe, 32 x 512 rows)", yscale="log",
+           title="Recovery by training precision (SmolLM2-135M, d_kv=16)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def write_readme(out: Path) -> None:
+    machine = json.loads((out / "machine.json").read_text())
+    lines = ["# Training precision on this CPU", "",
+             f"Machine: {machine['cpu']['model']}, {os.cpu_count()} cores, bf16-relevant flags "
+             f"{machine['cpu']['bf16_flags']}. The start-up probe `train.precision=auto` uses: a 2048x576x1536 matmul "
+             f"runs {machine['matmul_bf16_over_fp32']}x faster in bf16 than in fp32 ({machine['matmul_probe']}).", ""]
+    if (out / "throughput.csv").exists():
+        table = pd.read_csv(out / "throughput.csv")
+        lines += ["## Tokens per second", "",
+                  "`python -m mha2mla_exp.bench.train_precision throughput --out " + str(out) + "`: optimizer steps of "
+                  "8 x 256 tokens on SmolLM2-135M converted at d_kv=16, after warm-up (compilation is in the "
+                  "warm-up); `load_avg_1m` above the 2 cores means other work shared them.", "",
+                  table.to_markdown(index=False, floatfmt=".3g"), ""]
+    if (out / "summary.csv").exists():
+        table = pd.read_csv(out / "summary.csv")
+        lines += ["## Recovery at equal tokens", "",
+                  "`python -m mha2mla_exp +experiment=cpu_precision results_dir=results/runs`: the same conversion "
+                  "(2-norm r=4, joint SVD d_kv=16, activation-aware init) and the same rows in every mode; "
+                  "`heldout_ppl_fp32` is the final model evaluated in fp32 on 32 x 512 held-out rows, "
+                  "`final_probe_ppl` the same rows in the weights' own dtype (`probe_dtype`). These runs shared the "
+                  "machine: their tokens/s are not the ones above.", "",
+                  table.to_markdown(index=False, floatfmt=".4g"), "", "![recovery curves](curves.png)", ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.train_precision", description=__doc__)
-    parser.add_argument("runs_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
+    parser = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.train_precision", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--out", type=Path, default=Path("results/bench/cpu_train"))
+    t.add_argument("--warmup", type=int, default=2)
+    t.add_argument("--steps", type=int, default=4)
+    t.add_argument("--modes", default=",".join(m for m in MODES if m != "auto"))
+    t.add_argument("--compile", default="false,true", help="eager and/or compiled: false,true")
+    s = sub.add_parser("summary")
+    s.add_argument("runs_dir", type=Path)
+    s.add_argument("--out", type=Path, default=Path("results/bench/cpu_train"))
     args = parser.parse_args(argv)
-    table, curves = load_runs(args.runs_dir)
-    if table.empty:
-        parser.error(f"no finished cpu_precision runs under {args.runs_dir}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     speedup, detail = cpu_bf16_speedup(576, 1536)
-    machine = {"cpu": cpu_model(), "matmul_bf16_over_fp32": round(speedup, 2), "matmul_probe": detail}
-    (args.out_dir / "machine.json").write_text(json.dumps(machine, indent=2))
-    table.to_csv(args.out_dir / "summary.csv", index=False)
-    curves.to_csv(args.out_dir / "curves.csv", index=False)
-    plot(curves, args.out_dir / "curves.png")
-    columns = ["mode", "tokens", "seconds", "tokens_per_s", "speedup_vs_fp32", "heldout_ppl", "final_loss",
-               "load_avg_5m"]
-    lines = [
-        "# Training precision on this CPU",
-        "",
-        f"Machine: {machine['cpu']['model']}, bf16-relevant flags {machine['cpu']['bf16_flags']}; a "
-        f"2048x576x1536 matmul runs {speedup:.2f}x faster in bf16 than fp32 ({detail}).",
-        "",
-        f"Runs: `python -m mha2mla_exp +experiment=cpu_precision results_dir=results/runs` ({len(table)} runs, "
-        f"records in `{args.runs_dir}`); this page: `python -m mha2mla_exp.bench.train_precision {args.runs_dir} "
-        f"{args.out_dir}`. Every run converts SmolLM2-135M the same way (2-norm r=4, joint SVD d_kv=16 from "
-        "activation-aware init) and fine-tunes the same rows; held-out perplexity is evaluated in fp32 for all, "
-        "on 32 x 512 held-out rows. `load_avg_5m` is the machine's load when the run ended (2 cores: above 2, "
-        "other work shared them and the timings are pessimistic).",
-        "",
-        table[columns].to_markdown(index=False, floatfmt=".3g"),
-        "",
-        "![recovery curves](curves.png)",
-    ]
-    (args.out_dir / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (args.out / "machine.json").write_text(json.dumps(
+        {"cpu": cpu_model(), "matmul_bf16_over_fp32": round(speedup, 2), "matmul_probe": detail,
+         "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=2))
+    if args.command == "throughput":
+        compile_options = [c.strip().lower() == "true" for c in args.compile.split(",")]
+        measure_throughput(study_model(), args.warmup, args.steps, args.modes.split(","), compile_options).to_csv(
+            args.out / "throughput.csv", index=False)
+    else:
+        table, curves = load_runs(args.runs_dir)
+        if table.empty:
+            parser.error(f"no finished cpu_precision runs under {args.runs_dir}")
+        table.to_csv(args.out / "summary.csv", index=False)
+        curves.to_csv(args.out / "curves.csv", index=False)
+        plot(curves, args.out / "curves.png")
+    write_readme(args.out)
+    print((args.out / "README.md").read_text())
     return 0
 
 
