@@ -120,3 +120,20 @@ def test_a_run_that_trains_loads_fp32_master_weights_even_where_auto_means_bf16(
     stages.load(smoke_cfg(tmp_path, "mla_2-norm_joint", "model.dtype=auto"), trains, torch.device("cpu"))
     stages.load(smoke_cfg(tmp_path, "original", "model.dtype=auto"), evaluates, torch.device("cpu"))
     assert seen == ["float32", "bfloat16"]  # trained: fp32 masters (bf16 only as compute); evaluated only: bf16
+
+
+def test_recipes_from_one_conversion_convert_once_and_train_as_from_a_fresh_one(tmp_path, monkeypatch):
+    fresh = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *FAST, "train.lr=3e-4"))
+    assert "reused_conversion" not in fresh
+    run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST))  # another recipe: converts and keeps the conversion
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the kept conversion must be reused")
+
+    monkeypatch.setattr(stages, "convert", no_conversion)
+    reused = run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST, "train.lr=3e-4"))
+    assert reused["reused_conversion"].endswith("__converted-" + validate(
+        smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST)).conversion_hash)
+    assert reused["train"]["final_loss"] == pytest.approx(fresh["train"]["final_loss"], abs=1e-6)
+    assert reused["rope_pairs"] == fresh["rope_pairs"]
+    assert reused["model"]["params_original"] == fresh["model"]["params_original"]

@@ -43,6 +43,7 @@ class RunPlan:
     precision: Precision | None  # the training precision; None when nothing is trained
     eval_dtype: str              # the dtype the evaluation runs in
     trained_hash: str            # the trained (or converted) model's identity
+    conversion_hash: str | None  # the untrained conversion's identity: recipes trained from it share it
     eval_hash: str               # this evaluation's identity
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
 
@@ -129,11 +130,15 @@ def validate(cfg: DictConfig) -> RunPlan:
     if precision is not None:
         runtime["precision"].pop("reason")  # why auto chose it is a note, not an identity
         runtime["rows_per_step"] = global_batch_rows(cfg.train)
+    calibrates = spec is not None and needs_calibration(spec)
     trained = trained_identity(cfg, runtime=runtime, converts=spec is not None, trains=fine_tune, distills=distill,
-                               calibrates=spec is not None and needs_calibration(spec))
+                               calibrates=calibrates)
+    conversion = trained_identity(cfg, runtime=runtime, converts=True, trains=False, distills=False,
+                                  calibrates=calibrates) if spec is not None else None
     return RunPlan(
         variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
         device_type=device_type, precision=precision, eval_dtype=eval_dtype, trained_hash=digest(trained),
+        conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation_identity(cfg, eval_dtype=eval_dtype)), notes=tuple(notes),
     )
 
@@ -276,6 +281,11 @@ def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
         parts.append(f"ft{budget}{recipe}")
     parts.append(f"s{cfg.seed}")
     return "__".join(str(p) for p in parts)
+
+
+def describe_conversion(plan: RunPlan, cfg: DictConfig) -> str:
+    """The untrained conversion's name: model and conversion."""
+    return "__".join(describe_trained(plan, cfg).split("__")[:3]) + "__converted"
 
 
 def describe(plan: RunPlan, cfg: DictConfig) -> str:

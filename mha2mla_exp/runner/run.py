@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
-from .config import ConfigError, RunPlan, describe, describe_trained, validate
+from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, validate
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
 
@@ -194,16 +194,43 @@ def _kept_info(trained: TrainedModel) -> dict | None:
     return None
 
 
-def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
+def _converted(cfg, plan, tokenizer, data, record, dist):
+    """(original, converted) for a run that trains: the conversion is kept under its own identity, so recipes
+    that start from the same conversion (a recovery study, a second seed) convert once. `original` is None when
+    nothing needs it (no teacher, no distillation) and the conversion was reused."""
     timings = record["timings"]
     t = time.perf_counter()
-    model, _ = stages.load(cfg, plan, dist.device)
-    record["model"]["params_original"] = stages.count_parameters(model)
-    timings["load_s"] = round(time.perf_counter() - t, 3)
+    kept = TrainedModel(cfg.results_dir, describe_conversion(plan, cfg), plan.conversion_hash) \
+        if plan.conversion_hash else None
+    from ..train.objectives import build_objective
 
+    needs_original = plan.distill or build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
+    original = None
+    if kept is None or not kept.complete() or needs_original:
+        original, _ = stages.load(cfg, plan, dist.device)
+        record["model"]["params_original"] = stages.count_parameters(original)
+    timings["load_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
-    original, model = model, stages.convert(plan, model, stages.calibration_batches(cfg, plan, data))
+    if kept is not None and kept.complete():
+        model, _ = stages.load_trained(kept.model_dir, dist.device)
+        record["model"]["params_original"] = kept.info()["model"]["params_original"]
+        record["reused_conversion"] = str(kept.dir)
+    else:
+        model = stages.convert(plan, original, stages.calibration_batches(cfg, plan, data))
+        if kept is not None and dist.is_main_process:
+            with kept.lock():
+                kept.save(model, tokenizer, {"model": {"params_original": record["model"]["params_original"],
+                                                       "params": stages.count_parameters(model)},
+                                            "rope_pairs": model.config.rope_pairs, "status": "ok",
+                                            "conversion_hash": plan.conversion_hash})
+        dist.wait_for_everyone()
     timings["convert_s"] = round(time.perf_counter() - t, 3)
+    return (original if needs_original else None), model
+
+
+def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
+    timings = record["timings"]
+    original, model = _converted(cfg, plan, tokenizer, data, record, dist)
     if plan.distill:
         done = trained.dir / "distill.json"
         if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
