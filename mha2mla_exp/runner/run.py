@@ -162,7 +162,7 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
 
     lock = trained.lock() if dist.is_main_process else contextlib.nullcontext()
     with lock:  # two evaluations of one trained model (a parallel sweep) never train it twice
-        [info] = broadcast_object_list([_kept_info(trained)]) if dist.num_processes > 1 else [_kept_info(trained)]
+        info = _same_on_every_rank(_kept_info(trained), dist)
         if info is not None and info.get("status") == "diverged":
             raise FineTuneDiverged(info["train"]["diverged_at_step"], info["train"]["loss"], "kept record")
         if info is not None:
@@ -186,6 +186,11 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
     return model
 
 
+def _same_on_every_rank(value, dist):
+    """The main process's `value` on every process: a decision that branches into collectives must agree."""
+    return broadcast_object_list([value])[0] if dist.num_processes > 1 else value
+
+
 def _kept_info(trained: TrainedModel) -> dict | None:
     if trained.complete():
         return trained.info()
@@ -205,13 +210,14 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
     from ..train.objectives import build_objective
 
     needs_original = plan.distill or build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
+    reuse = kept is not None and _same_on_every_rank(kept.complete(), dist)
     original = None
-    if kept is None or not kept.complete() or needs_original:
+    if not reuse or needs_original:
         original, _ = stages.load(cfg, plan, dist.device)
         record["model"]["params_original"] = stages.count_parameters(original)
     timings["load_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
-    if kept is not None and kept.complete():
+    if reuse:
         model, _ = stages.load_trained(kept.model_dir, dist.device)
         record["model"]["params_original"] = kept.info()["model"]["params_original"]
         record["reused_conversion"] = str(kept.dir)
