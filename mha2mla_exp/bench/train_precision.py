@@ -81,15 +81,23 @@ def load_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             continue
         train = record["train"]
         mode = train["precision"]["mode"]
-        rows.append({"mode": mode, "tokens": train["tokens"], "heldout_ppl_fp32": record["eval"]["perplexity"]["heldout"],
+        rows.append({"mode": mode, "seed": _seed(path), "tokens": train["tokens"],
+                     "heldout_ppl_fp32": record["eval"]["perplexity"]["heldout"],
                      "final_probe_ppl": list((train.get("heldout_ppl_probe") or {}).values())[-1],
                      "probe_dtype": train.get("probe_dtype"), "final_loss": train["final_loss"],
                      "tokens_per_s_shared": train["tokens_per_s"], "load_avg_5m": train.get("load_avg_5m")})
         for line in (path.parent / "metrics.jsonl").read_text().splitlines():
             step = json.loads(line)
             if "heldout_ppl_probe" in step:
-                curves.append({"mode": mode, "tokens": step["tokens"], "ppl": step["heldout_ppl_probe"]})
-    return pd.DataFrame(rows), pd.DataFrame(curves)
+                curves.append({"mode": f"{mode} s{_seed(path)}", "tokens": step["tokens"],
+                               "ppl": step["heldout_ppl_probe"]})
+    return pd.DataFrame(rows).sort_values(["mode", "seed"]).reset_index(drop=True), pd.DataFrame(curves)
+
+
+def _seed(results_json: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load((results_json.parent / "config.yaml").read_text())["seed"])
 
 
 def plot(curves: pd.DataFrame, path: Path) -> None:
@@ -100,7 +108,8 @@ def plot(curves: pd.DataFrame, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for mode, curve in curves.groupby("mode"):
-        ax.plot(curve["tokens"], curve["ppl"], marker="o", ms=3, label=mode)
+        ax.plot(curve["tokens"], curve["ppl"], marker="o", ms=3, label=mode,
+                linestyle="--" if mode.endswith("s1") else "-")
     ax.set(xlabel="fine-tune tokens", ylabel="held-out perplexity (probe, 32 x 512 rows)", yscale="log",
            title="Recovery by training precision (SmolLM2-135M, d_kv=16)")
     ax.grid(alpha=0.3)
