@@ -61,7 +61,7 @@ def make_inputs(case, device="cpu", seed=0):
 
 def max_error(case, device) -> float:
     """Max |Triton - float64 reference| on one case."""
-    from mha2mla_exp.mla.kernels.triton_decode import absorbed_decode_triton
+    from mha2mla_exp.mla.decode_triton import absorbed_decode_triton
 
     x = make_inputs(case, device)
     out = absorbed_decode_triton(**x, config=case[-1])
@@ -75,7 +75,8 @@ def max_error(case, device) -> float:
 def interpreted_errors():
     if not HAS_TRITON:
         pytest.skip("triton is not installed (it belongs in the dev extras so CI runs these)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, not another's
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -117,7 +118,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **op
 def test_kernels_compile_for_hopper_at_the_default_llama_config():
     """What the interpreter cannot show: the kernels lower to sm_90 code at the Llama-2-7B layer's
     default launch config (bf16, 16 heads x 512-wide latent per program, no padding)."""
-    from mha2mla_exp.mla.kernels.triton_decode import _merge_kernel, _split_kernel, default_config
+    from mha2mla_exp.mla.decode_triton import _merge_kernel, _split_kernel, default_config
 
     cfg = default_config(16, 32, 16384, 512, torch.device("cpu"))
     bf16 = {n: "*bf16" for n in ("QR", "QL", "KR", "LAT")} | {"OPART": "*fp32", "LSE": "*fp32"}

@@ -36,3 +36,6 @@ class MLAConfig(LlamaConfig):
     @property
     def svd(self) -> str:
         return self.mla["svd"]
+
+
+MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

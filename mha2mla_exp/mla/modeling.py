@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,7 +34,7 @@ from transformers.models.llama.modeling_llama import (
 
 from .cache import LatentCache, QuantizedLatentCache
 from .configuration import MLAConfig
-from .kernels import absorbed_decode
+from .decode_dispatch import absorbed_decode
 from .rope_selection import rope_dims
 
 
@@ -270,5 +269,6 @@ class MLAForCausalLM(MLAPreTrainedModel, LlamaForCausalLM):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
-AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
-AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
+# save_pretrained copies this file and its flat relative imports into the folder and writes `auto_map`,
+# so `from_pretrained(folder, trust_remote_code=True)` loads it without this package
+MLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
