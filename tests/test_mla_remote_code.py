@@ -38,9 +38,13 @@ def greedy(model, ids, absorb: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_saved_folder_loads_without_the_package(tmp_path, tokens):
+@pytest.mark.parametrize("spec", [dict(rope="2-norm", r=3, svd="joint", d_kv=6),
+                                  dict(rope="rorope", r=3, svd="none"),  # shared rope key, k_up without v_up
+                                  dict(rope="rorope", r=2, svd="joint", d_kv=6, init="output", allocation="global")],
+                         ids=["2-norm-joint", "rorope-none", "rorope-joint-output-global"])
+def test_saved_folder_loads_without_the_package(tmp_path, tokens, spec):
     model = tiny_causal_lm("qwen2")  # q/k/v biases
-    mla = convert_to_mla(model, rope="2-norm", r=3, svd="joint", d_kv=6, calibration=[tokens])
+    mla = convert_to_mla(model, **spec, calibration=[tokens])
     folder = tmp_path / "mla"
     mla.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
