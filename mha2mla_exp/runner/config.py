@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from ..data.sources import check_data_config
-from ..mla.spec import MLASpec, ModelShape
+from ..mla.spec import MLASpec, ModelShape, default_r
 from ..models import check_model_config
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
@@ -60,13 +60,12 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     spec = None
     if cfg.variant == "mla":
-        r = cfg.rope.r
-        if r is None and cfg.rope.strategy not in ("full", "none"):
-            r = shape.head_dim // 16  # the paper's default
+        r = cfg.rope.r if cfg.rope.r is not None else default_r(cfg.rope.strategy, shape.head_dim)
         try:
             spec = MLASpec.create(
                 shape, rope=cfg.rope.strategy, r=r, svd=cfg.svd.method, d_kv=cfg.svd.d_kv,
                 score=cfg.rope.score, sigma=cfg.svd.sigma, init=cfg.svd.get("init", "weight"),
+                allocation=cfg.svd.get("allocation", "uniform"),
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -113,7 +112,7 @@ def _check_eval(eval_cfg: DictConfig) -> None:
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
-                "init": "svd.init",
+                "init": "svd.init", "allocation": "svd.allocation",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
 
 
@@ -131,15 +130,7 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
     if plan.spec is None:
         parts.append("original" if plan.variant == "original" else "full-attention")
     else:
-        s = plan.spec
-        rope = {"full": "fullrope", "none": "nope"}.get(s.rope, f"{s.rope}-r{s.r}")
-        if s.rope == "2-norm" and s.score != "product":
-            rope += f"-{s.score}"
-        parts.append(rope)
-        svd = "nosvd" if s.svd == "none" else f"{s.svd}-dkv{s.d_kv}"
-        svd += "-sqrt" if s.sigma == "sqrt" else ""
-        svd += "-act" if s.init == "activation" else ""
-        parts.append(svd)
+        parts.extend(plan.spec.name_parts())
     if plan.kv_quant:
         parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}")
     if plan.spec is not None and cfg.distill.enabled:
