@@ -108,3 +108,53 @@ def test_rotated_split_keeps_exactly_the_key_space():
     embed = split.nope_embed.double()
     assert torch.allclose(embed.T @ embed, torch.eye(embed.shape[1], dtype=torch.float64), atol=1e-6)
     assert split.nope_weight.shape[0] == 2 * 16 - 2 * len(kept)
+
+
+# ---- score='rotation' (ours): the 2-norm score times how far each pair's rotation moves where heads attend ----
+
+@torch.no_grad()
+def test_rotation_distance_statistic_matches_brute_force():
+    from mha2mla_exp.mla.calibration import Calibration
+
+    model = tiny_causal_lm("qwen2")
+    shape = ModelShape.from_config(model.config)
+    calib = [torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(4)) for _ in range(2)]
+    rho = Calibration(model, calib, shape).get("rotation_distance")
+    model.config._attn_implementation = "eager"
+    theta = model.model.rotary_emb.inv_freq.double()  # [d_h/2]
+    total = torch.zeros_like(rho, dtype=torch.float64)
+    count = 0
+    for ids in calib:
+        probs = model(ids, output_attentions=True).attentions
+        t = torch.arange(ids.shape[1], dtype=torch.float64)
+        distance = 2 * torch.sin(theta * (t[:, None, None] - t[None, :, None]) / 2).abs()  # |1 - e^{i theta d}|
+        for i, p in enumerate(probs):
+            total[i] += torch.einsum("bhts,tsf->hf", p.double(), distance)
+        count += ids.numel()
+    assert rho.shape == (shape.num_layers, shape.num_heads, HALF)
+    assert torch.allclose(rho.double(), total / count, rtol=1e-4, atol=1e-6)
+    assert (rho[..., 0] > rho[..., -1]).all()  # the highest frequency turns most
+
+
+def test_rotation_score_skips_pairs_that_do_not_turn():
+    from mha2mla_exp.mla.rope.two_norm import pair_scores, top_pairs
+
+    q = torch.tensor([[1.0, 1.0, 5.0]] * 2)  # 2 query heads, one KV head; pair 2 loudest
+    k = torch.tensor([[1.0, 2.0, 5.0]])
+    distance = torch.tensor([[1.2, 0.8, 0.01]] * 2)  # ... but pair 2 barely turns within the attended span
+    assert top_pairs(pair_scores(q, k, 1, "product"), 1) == [[2]]
+    assert top_pairs(pair_scores(q, k, 1, "rotation", distance), 1) == [[1]]
+    u = torch.eye(1, dtype=torch.float64).expand(3, 1, 1)
+    assert torch.allclose(rotated_pair_scores(q, k, u, "rotation", distance), pair_scores(q, k, 1, "rotation", distance))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope", ["2-norm", "rorope"])
+def test_rotation_score_converts_and_is_named(rope, tokens):
+    model = tiny_causal_lm("gqa")
+    mla = convert_to_mla(model, rope=rope, r=HALF, svd="none", score="rotation", calibration=[tokens])
+    assert max_diff(mla(tokens).logits, model(tokens).logits) < 1e-4
+    from mha2mla_exp.mla import MLASpec
+
+    spec = MLASpec.create(ModelShape.from_config(model.config), rope=rope, r=2, svd="none", score="rotation")
+    assert spec.statistics[-1] == "rotation_distance" and spec.name_parts()[0] == f"{rope}-r2-rotation"

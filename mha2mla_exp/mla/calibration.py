@@ -154,12 +154,27 @@ class QueryMoments(Statistic):
         return self.total / n_tokens
 
 
+def attention_probs(attn: nn.Module, shape, args, kwargs) -> torch.Tensor:
+    """A Llama-family attention layer's own causal probabilities [B, n_h, T, T], recomputed in a forward
+    pre-hook (calibration rows are unpadded). F.linear, not the projections: their hooks (other
+    statistics) must see each token once."""
+    n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cos, sin = kwargs["position_embeddings"]
+    b, t, _ = x.shape
+    q, k = (F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float()
+            for p in (attn.q_proj, attn.k_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos.float(), sin.float())
+    scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * getattr(attn, "scaling", d_h**-0.5)
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+
+
 class ValueSpread(Statistic):
     """Per layer and query head h, tau_h = mean over queries t of sum_s p_ts ||W_o,h (v_s - o_t)||^2: how
     far, through the output projection, the values a query attends to lie from its output o_t = sum_s p_ts v_s.
     A score error d at key s moves the head's output by p_s (d_s - mean_p d) (v_s - o_t), so tau_h turns a
-    score error into an output error. Attention recomputed causally from the layer's own q/k/v (calibration
-    rows are unpadded). [L, n_h]"""
+    score error into an output error. [L, n_h]"""
 
     name = "value_spread"
 
@@ -172,18 +187,10 @@ class ValueSpread(Statistic):
 
         def hook(total):
             def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
                 x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                cos, sin = kwargs["position_embeddings"]
-                b, t, _ = x.shape
-                # F.linear, not the modules: their hooks (other statistics) must see each token once
-                q, k, v = (F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float()
-                           for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-                q, k = apply_rotary_pos_emb(q, k, cos.float(), sin.float())
-                g = n_h // n_kv
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-                scores = (q @ k.transpose(-1, -2)) * getattr(attn, "scaling", d_h**-0.5)
-                causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-                p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)  # [B, n_h, T, T]
+                v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(*x.shape[:2], n_kv, d_h)
+                v = v.transpose(1, 2).float().repeat_interleave(n_h // n_kv, dim=1)
                 w_o = attn.o_proj.weight.float().view(-1, n_h, d_h).transpose(0, 1)  # [n_h, d, d_h]
                 metric = w_o.transpose(1, 2) @ w_o  # [n_h, d_h, d_h] = W_o,h^T W_o,h
                 v_norm = torch.einsum("bhsi,hij,bhsj->bhs", v, metric, v)
@@ -198,6 +205,37 @@ class ValueSpread(Statistic):
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
+
+
+class RotationDistance(Statistic):
+    """Per layer, query head h and frequency f, rho_{h,f} = mean over queries t of sum_s p_ts
+    |e^{i theta_f t} - e^{i theta_f s}|: how far the rotation of pair f moves over the distances the head
+    actually attends. Dropping RoPE on pair f changes its score term Re(q k* e^{i theta_f (t-s)}) by at most
+    |q||k| times that: a pair whose frequency barely turns within the attended span is NoPE already.
+    Read from the model's own cos/sin (any RoPE scaling included). [L, n_h, d_h/2]"""
+
+    name = "rotation_distance"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
+
+    def attach(self, layers):
+        half = self.shape.head_dim // 2
+
+        def hook(total):
+            def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
+                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
+                distance = torch.sqrt((cos[:, None] - cos[None]) ** 2 + (sin[:, None] - sin[None]) ** 2)
+                total.add_(torch.einsum("bhts,tsf->hf", p, distance).double().cpu())
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
+                for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return (self.total / n_tokens).float()
 
 
 class Calibration:

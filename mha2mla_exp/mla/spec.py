@@ -13,7 +13,7 @@ from .lowrank_init import LOWRANK_INITS
 from .rope import ROPE_STRATEGIES
 
 SVD_VARIANTS = ("joint", "split", "none")
-SCORES = ("product", "sum")
+SCORES = ("product", "sum", "rotation")
 SIGMA_PLACEMENTS = ("up", "sqrt")
 ALLOCATIONS = ("uniform", "global")  # the latent width: n_kv*d_kv in every layer, or the same total spread by energy
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -113,7 +113,7 @@ class MLASpec:
     def statistics(self) -> tuple[str, ...]:
         """The calibration statistics this conversion reads (empty: it needs no calibration data)."""
         init = LOWRANK_INITS.get(self.init).statistics if self.svd != "none" else ()
-        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).statistics + init))
+        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init))
 
     @property
     def needs_calibration(self) -> bool:
@@ -121,7 +121,7 @@ class MLASpec:
 
     def calibrated_fields(self) -> list[str]:
         """The settings that ask for calibration data, as `field='value'` (for error messages)."""
-        fields = [f"rope={self.rope!r}"] if ROPE_STRATEGIES.get(self.rope).statistics else []
+        fields = [f"rope={self.rope!r}"] if ROPE_STRATEGIES.get(self.rope).needs(self.score) else []
         if self.svd != "none" and LOWRANK_INITS.get(self.init).statistics:
             fields.append(f"init={self.init!r}")
         return fields

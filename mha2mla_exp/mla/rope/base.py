@@ -4,7 +4,8 @@ To add a strategy, write one class in a new file of this package and a `conf/rop
 
     class Mine(RopeStrategy):
         name = "mine"                         # rope.strategy=mine; registered when the class is defined
-        statistics = ("pair_norms",)          # calibration statistics it reads (mla/calibration.py)
+        statistics = ("pair_norms",)          # calibration statistics it reads (mla/calibration.py);
+                                              # `needs(score)` if they depend on the score option
 
         def select(self, shape, r, score, calibration):
             q_norms, k_norms = calibration.get("pair_norms")
@@ -34,6 +35,10 @@ class RopeStrategy:
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("name"):
             ROPE_STRATEGIES.add(cls)
+
+    def needs(self, score: str) -> tuple[str, ...]:
+        """The calibration statistics `select` reads under `score` (by default `statistics`)."""
+        return self.statistics
 
     def default_r(self, head_dim: int) -> int:
         """r when a config leaves it null: the paper's d_h/16."""

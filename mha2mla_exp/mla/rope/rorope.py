@@ -5,6 +5,7 @@ import torch
 from ..calibration import Statistic
 from ..layouts import RotatedPairs
 from .base import RopeStrategy
+from .two_norm import head_scores
 
 
 def principal_axes(moments: torch.Tensor) -> torch.Tensor:
@@ -44,15 +45,15 @@ class RotatedKeyNorms(Statistic):
 
 
 def rotated_pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, rotation: torch.Tensor,
-                        score: str = "product") -> torch.Tensor:
+                        score: str = "product", distance: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [n_kv (components), d_h/2] of the rotated pairs: query head h of group g meets pair (c, f) with
     U_f[g, c] q_{h,f}, of mean norm |U_f[g, c]| ||q_{h,f}||; the shared rope key is read by every query
-    head, so the 2-norm score (product, or sum) is summed over all of them."""
+    head, so each head's score (`head_scores`: product, sum or rotation) is summed over all of them."""
     n_h, half = q_norms.shape
     n_kv = rotation.shape[1]
     group = torch.arange(n_h) // (n_h // n_kv)
     q_rot = rotation.abs().float()[:, group, :].permute(1, 2, 0) * q_norms[:, None, :]  # [n_h, c, f]
-    per_head = q_rot * k_norms[None] if score == "product" else q_rot + k_norms[None]
+    per_head = head_scores(q_rot, k_norms[None], score, None if distance is None else distance[:, None, :])
     return per_head.sum(dim=0)
 
 
@@ -64,16 +65,20 @@ class RoRoPE(RopeStrategy):
 
     name = "rorope"
     statistics = ("pair_norms", "key_pair_moments")
-    scores = ("product", "sum")
+    scores = ("product", "sum", "rotation")
+
+    def needs(self, score):
+        return self.statistics + (("rotation_distance",) if score == "rotation" else ())
 
     def select(self, shape, r, score, calibration):
         q_norms, _ = calibration.get("pair_norms")
+        distance = calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
         rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
         (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
         n_kv, half = shape.num_kv_heads, shape.head_dim // 2
         selections = []
         for i, u in enumerate(rotations):
-            scores = rotated_pair_scores(q_norms[i], k_norms[i], u, score)  # [c, f]
+            scores = rotated_pair_scores(q_norms[i], k_norms[i], u, score, distance[i])  # [c, f]
             flat = scores.T.reshape(-1)  # frequency-major: ties go to the higher frequency, then component
             order = torch.sort(flat.double(), descending=True, stable=True).indices[: n_kv * r].tolist()
             selections.append(RotatedPairs(u, [(j % n_kv, j // n_kv) for j in order]))

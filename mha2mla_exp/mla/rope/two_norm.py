@@ -6,17 +6,27 @@ from ..layouts import HeadPairs
 from .base import RopeStrategy
 
 
-def pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, num_kv_heads: int, score: str = "product") -> torch.Tensor:
-    """Per-KV-head pair scores from mean pre-RoPE pair norms, q_norms [n_h, d_h/2] and k_norms [n_kv, d_h/2].
+def head_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, score: str, distance: torch.Tensor | None = None):
+    """Each query head's score of each pair from mean pair norms (broadcast alike): ||q||*||k|| (the
+    paper), ||q||+||k|| (the code behind its v1 tables), or 'rotation': ||q||*||k|| times the head's
+    rotation distance rho (`rotation_distance`), the most dropping the pair's RoPE can change its score term."""
+    if score == "product":
+        return q_norms * k_norms
+    if score == "sum":
+        return q_norms + k_norms
+    if score == "rotation":
+        return q_norms * k_norms * distance
+    raise ValueError(f"unknown score={score!r}")
 
-    Each query head is scored against its KV head (||q||*||k|| as in the paper, or ||q||+||k|| as in the
-    code behind the v1 tables), and the query heads of a GQA group are summed, so both scores rank the
-    same as per-group averages.
-    """
+
+def pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, num_kv_heads: int, score: str = "product",
+                distance: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-KV-head pair scores [n_kv, d_h/2] from q_norms [n_h, d_h/2] and k_norms [n_kv, d_h/2] (and, for
+    score='rotation', distance [n_h, d_h/2]). Each query head is scored against its KV head and the query
+    heads of a GQA group are summed, so the scores rank the same as per-group averages."""
     n_h, half = q_norms.shape
     group = n_h // num_kv_heads
-    k_rep = k_norms.repeat_interleave(group, dim=0)
-    per_q_head = q_norms * k_rep if score == "product" else q_norms + k_rep
+    per_q_head = head_scores(q_norms, k_norms.repeat_interleave(group, dim=0), score, distance)
     return per_q_head.view(num_kv_heads, group, half).sum(dim=1)
 
 
@@ -34,9 +44,13 @@ class TwoNorm(RopeStrategy):
 
     name = "2-norm"
     statistics = ("pair_norms",)
-    scores = ("product", "sum")
+    scores = ("product", "sum", "rotation")
+
+    def needs(self, score):
+        return self.statistics + (("rotation_distance",) if score == "rotation" else ())
 
     def select(self, shape, r, score, calibration):
         q_norms, k_norms = calibration.get("pair_norms")
-        return [HeadPairs(top_pairs(pair_scores(q_norms[i], k_norms[i], shape.num_kv_heads, score), r))
+        distance = calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
+        return [HeadPairs(top_pairs(pair_scores(q_norms[i], k_norms[i], shape.num_kv_heads, score, distance[i]), r))
                 for i in range(shape.num_layers)]
