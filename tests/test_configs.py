@@ -88,8 +88,8 @@ def test_partial_rope_ablation_is_paper_table_3():
         rows.add((plan.table_variant, spec and spec.rope, spec and spec.r, spec and spec.svd, spec and spec.d_kv))
     assert rows == {
         ("finetuned_full_attention", None, None, None, None),
-        *{("partial_rope", s, 4, "none", None) for s in ("high", "low", "uniform", "2-norm")},
-        *{("partial_rope+svd", s, 4, "joint", 16) for s in ("high", "low", "uniform", "2-norm")},
+        *{("partial_rope", s, 4, "none", None) for s in ("high", "low", "uniform", "2-norm", "rorope")},
+        *{("partial_rope+svd", s, 4, "joint", 16) for s in ("high", "low", "uniform", "2-norm", "rorope")},
         ("partial_rope+svd", "2-norm", 4, "split", 16),
     }
 

@@ -36,6 +36,7 @@ CASES = [
     ("two-head-blocks", 2, 20, 4, 45, 8, 64, "joint", "float32", False, {"BLOCK_H": 16, "num_splits": 2}),
     ("fp16", 2, 9, 3, 50, 8, 96, "joint", "float16", False, {"num_splits": 2, "BLOCK_S": 16}),
     ("default-config", 2, 8, 8, 300, 16, 128, "joint", "float32", False, None),
+    ("shared-rope-key", 2, 9, 1, 50, 24, 96, "joint", "float32", True, {"num_splits": 2, "BLOCK_S": 16}),  # RoRoPE
 ]
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}
 
@@ -61,7 +62,7 @@ def make_inputs(case, device="cpu", seed=0):
 
 def max_error(case, device) -> float:
     """Max |Triton - float64 reference| on one case."""
-    from mha2mla_exp.mla.kernels.triton_decode import absorbed_decode_triton
+    from mha2mla_exp.mla.decode_triton import absorbed_decode_triton
 
     x = make_inputs(case, device)
     out = absorbed_decode_triton(**x, config=case[-1])
@@ -75,7 +76,8 @@ def max_error(case, device) -> float:
 def interpreted_errors():
     if not HAS_TRITON:
         pytest.skip("triton is not installed (it belongs in the dev extras so CI runs these)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, not another's
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -117,7 +119,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **op
 def test_kernels_compile_for_hopper_at_the_default_llama_config():
     """What the interpreter cannot show: the kernels lower to sm_90 code at the Llama-2-7B layer's
     default launch config (bf16, 16 heads x 512-wide latent per program, no padding)."""
-    from mha2mla_exp.mla.kernels.triton_decode import _merge_kernel, _split_kernel, default_config
+    from mha2mla_exp.mla.decode_triton import _merge_kernel, _split_kernel, default_config
 
     cfg = default_config(16, 32, 16384, 512, torch.device("cpu"))
     bf16 = {n: "*bf16" for n in ("QR", "QL", "KR", "LAT")} | {"OPART": "*fp32", "LSE": "*fp32"}
@@ -186,20 +188,23 @@ def test_dispatcher_picks_triton_on_cuda():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("svd,kind", [("joint", "gqa"), ("split", "mha"), ("joint", "qwen2")])
-def test_integration_recipe_equals_absorbed_attention(svd, kind):
+@pytest.mark.parametrize("rope,svd,kind", [("uniform", "joint", "gqa"), ("uniform", "split", "mha"),
+                                           ("uniform", "joint", "qwen2"), ("rorope", "joint", "qwen2"),
+                                           ("rorope", "split", "gqa")])
+def test_integration_recipe_equals_absorbed_attention(rope, svd, kind):
     """The W_uk fold + absorbed_decode + W_uv recipe given to modeling.py equals the model's own
-    absorbed attention for one decode token after a prefill (k/v biases included)."""
+    absorbed attention for one decode token after a prefill (k/v biases included; RoRoPE's shared rope key)."""
     torch.manual_seed(0)
-    mla = convert_to_mla(tiny_causal_lm(kind), rope="uniform", r=2, svd=svd, d_kv=8)
+    calibration = [torch.randint(0, 97, (2, 16))]
+    mla = convert_to_mla(tiny_causal_lm(kind), rope=rope, r=2, svd=svd, d_kv=8, calibration=calibration)
     attn = mla.model.layers[0].self_attn
     b, s = 3, 11
     hidden = torch.randn(b, s + 1, mla.config.hidden_size)
     positions = torch.arange(s + 1).expand(b, -1)
     cos, sin = mla.model.rotary_emb(hidden, positions)
     q = attn.q_proj(hidden).view(b, s + 1, attn.num_heads, attn.head_dim).transpose(1, 2)
-    q_rope, q_nope = q.split([attn.rope_dim, attn.nope_dim], dim=-1)
-    k_rope = attn.k_rope_proj(hidden).view(b, s + 1, attn.num_kv_heads, attn.rope_dim).transpose(1, 2)
+    q_rope, q_nope = attn._split_query(q)
+    k_rope = attn.k_rope_proj(hidden).view(b, s + 1, attn.rope_heads, attn.rope_dim).transpose(1, 2)
     q_rope, k_rope = attn._rotate(q_rope, k_rope, cos, sin)
     latent = attn.kv_down_proj(hidden).unsqueeze(1)
     q_rope, q_nope = q_rope[:, :, -1:], q_nope[:, :, -1:]  # the decode token attends to all s+1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_causal_lm
-from mha2mla_exp.mla import LatentCache, QuantizedLatentCache, convert_to_mla
+from mha2mla_exp.mla import LatentCache, MLASpec, ModelShape, QuantizedLatentCache, convert_to_mla, kv_elements_per_token
 from mha2mla_exp.mla.cache import QuantizedLatentLayer
 
 VARIANTS = [
@@ -15,16 +15,20 @@ VARIANTS = [
     dict(rope="uniform", r=3, svd="split", d_kv=10),
     dict(rope="none", svd="joint", d_kv=6),
     dict(rope="full", svd="joint", d_kv=16),
+    dict(rope="rorope", r=2, svd="joint", d_kv=8),   # one shared rope key (mla/layouts.py)
+    dict(rope="rorope", r=3, svd="split", d_kv=10),
+    dict(rope="rorope", r=3, svd="none"),            # NoPE keys re-embedded by a k_up, values as cached
 ]
+IDS = [f"{s['rope']}-{s['svd']}" for s in VARIANTS]
 
 
 def convert(kind, spec, tokens):
     model = tiny_causal_lm(kind)
-    return convert_to_mla(model, **spec, calibration=[tokens] if spec["rope"] == "2-norm" else None)
+    return convert_to_mla(model, **spec, calibration=[tokens])
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"{s['rope']}-{s['svd']}")
+@pytest.mark.parametrize("spec", VARIANTS, ids=IDS)
 @pytest.mark.parametrize("kind", ["mha", "gqa", "qwen2"])
 def test_cache_bytes_equal_formula_after_generate(kind, spec, tokens):
     mla = convert(kind, spec, tokens)
@@ -34,9 +38,12 @@ def test_cache_bytes_equal_formula_after_generate(kind, spec, tokens):
     t = prompt.shape[1] + new - 1  # the last generated token is never fed back
     assert cache.get_seq_length() == t
     cfg = mla.config
-    r = cfg.mla["r"]
-    expected = cfg.num_hidden_layers * t * cfg.num_key_value_heads * (2 * r + spec["d_kv"]) * 4  # fp32
+    r, n_kv, d_h = cfg.mla["r"], cfg.num_key_value_heads, cfg.head_dim
+    latent = spec["d_kv"] if spec["svd"] != "none" else 2 * d_h - 2 * r  # per KV head; 'none': the MHA cache
+    expected = cfg.num_hidden_layers * t * n_kv * (2 * r + latent) * 4  # fp32
     assert cache.nbytes() == expected
+    spec = MLASpec(**{k: cfg.mla[k] for k in MLASpec.__dataclass_fields__})
+    assert cache.nbytes() == cfg.num_hidden_layers * t * kv_elements_per_token(ModelShape.from_config(cfg), spec) * 4
 
 
 @torch.no_grad()
@@ -48,7 +55,7 @@ def test_default_generate_uses_latent_cache(tokens):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: f"{s['rope']}-{s['svd']}")
+@pytest.mark.parametrize("spec", VARIANTS, ids=IDS)
 @pytest.mark.parametrize("kind", ["mha", "gqa", "qwen2"])
 def test_absorbed_equals_expanded(kind, spec, tokens):
     mla = convert(kind, spec, tokens)
@@ -129,8 +136,9 @@ def test_quantized_layer_round_trip_is_faithful(backend):
 
 @torch.no_grad()
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_generate_with_quantized_latent_cache(backend, tokens):
-    mla = convert("gqa", VARIANTS[0], tokens)
+@pytest.mark.parametrize("spec", [VARIANTS[0], VARIANTS[4]], ids=[IDS[0], IDS[4]])
+def test_generate_with_quantized_latent_cache(backend, spec, tokens):
+    mla = convert("gqa", spec, tokens)
     out = mla.generate(
         tokens[:1], max_new_tokens=4, do_sample=False, cache_implementation="quantized",
         cache_config={"backend": backend, "nbits": 4, "residual_length": 4}, return_dict_in_generate=True,

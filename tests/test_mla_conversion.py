@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import mha2mla_exp  # noqa: F401  (registers the model type)
 from conftest import tiny_causal_lm
 from mha2mla_exp.mla import MLAForCausalLM, MLASpec, ModelShape, convert_to_mla, fixed_pairs, max_d_kv
-from mha2mla_exp.mla.rope_selection import pair_scores, top_pairs
+from mha2mla_exp.mla.rope.two_norm import pair_scores, top_pairs
 
 HALF = 8  # tiny models: head_dim 16
 
@@ -176,6 +176,13 @@ def test_save_pretrained_round_trip(tmp_path, tokens):
         (dict(rope="2-norm", r=2, svd="none"), "needs calibration"),
         (dict(rope="high", r=2, svd="none", score="max"), "unknown score"),
         (dict(rope="high", r=2, svd="joint", d_kv=4, sigma="left"), "unknown sigma"),
+        (dict(rope="high", r=2, svd="none", score="sum"), "score='sum' has no meaning for rope='high'"),
+        (dict(rope="high", r=2, svd="joint", d_kv=4, init="magic"), "unknown init='magic'"),
+        (dict(rope="high", r=2, svd="joint", d_kv=4, allocation="greedy"), "unknown allocation='greedy'"),
+        (dict(rope="high", r=2, svd="split", d_kv=4, allocation="global"), "needs svd='joint'"),
+        (dict(rope="high", r=2, svd="none", allocation="global"), "no latent to allocate"),
+        (dict(rope="rorope", r=2, svd="none"), "rope='rorope' needs calibration"),
+        (dict(rope="high", r=2, svd="joint", d_kv=4, init="output"), "init='output' needs calibration"),
     ],
 )
 def test_bad_input_raises_clear_value_error(kwargs, message):
@@ -214,44 +221,7 @@ def test_calibration_is_not_touched_when_spec_is_invalid():
         convert_to_mla(tiny_causal_lm("gqa"), rope="2-norm", r=2, svd="joint", d_kv=999, calibration=exploding())
 
 
-# ---- activation-aware low-rank initialisation (beyond the paper) ----
-
-def _kv_output_error(original, mla, calib) -> float:
-    """Sum over layers of ||[k_nope; v](x) - reconstructed||^2 on the calibration inputs."""
-    from mha2mla_exp.mla.convert import split_dims
-    from mha2mla_exp.mla.lowrank import collect_input_grams
-
-    total = 0.0
-    grams = collect_input_grams(original, calib)
-    for i, (src, dst) in enumerate(zip(original.model.layers, mla.model.layers)):
-        a, b = src.self_attn, dst.self_attn
-        _, nope = split_dims(mla.config.rope_pairs[i], 16)
-        k_nope = a.k_proj.weight.view(b.num_kv_heads, 16, -1)[torch.arange(b.num_kv_heads)[:, None], nope]
-        target = torch.cat([k_nope.reshape(-1, 64), a.v_proj.weight]).double()
-        down = b.kv_down_proj.weight.double()
-        up_k = b.k_up_proj.weight.double() @ down[b.k_latent]
-        up_v = b.v_up_proj.weight.double() @ down[b.v_latent]
-        diff = target - torch.cat([up_k, up_v])
-        total += torch.trace(diff @ grams[i] @ diff.T).item()
-    return total
-
-
-@pytest.mark.parametrize("svd", ["joint", "split"])
-def test_activation_aware_init_is_exact_at_full_rank_and_never_worse(svd, tokens):
-    model = tiny_causal_lm("qwen2")
-    calib = [tokens, tokens.flip(0)]
-    shape = ModelShape.from_config(model.config)
-    if svd == "joint":
-        ref = convert_to_mla(model, rope="uniform", r=2, svd="none")(tokens).logits
-        full = convert_to_mla(model, rope="uniform", r=2, svd="joint", d_kv=max_d_kv(shape, 2, "joint"),
-                              init="activation", calibration=calib)
-        assert max_diff(full(tokens).logits, ref) < 1e-4
-        assert full.config.mla["init"] == "activation"
-    for d_kv in (4, 8, 12):
-        plain = convert_to_mla(model, rope="uniform", r=2, svd=svd, d_kv=d_kv, calibration=calib)
-        aware = convert_to_mla(model, rope="uniform", r=2, svd=svd, d_kv=d_kv, init="activation", calibration=calib)
-        assert _kv_output_error(model, aware, calib) <= _kv_output_error(model, plain, calib) * (1 + 1e-9), d_kv
-
+# ---- low-rank inits: see test_mla_lowrank_init.py ----
 
 def test_activation_aware_init_needs_calibration_and_a_low_rank():
     with pytest.raises(ValueError, match="init='activation' needs calibration"):

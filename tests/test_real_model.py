@@ -107,6 +107,22 @@ def test_full_rank_conversion_reproduces_the_logits(smollm2):
     assert diff < 1e-3
 
 
+def test_rorope_at_full_budget_reproduces_the_logits(smollm2, sotu):
+    from mha2mla_exp.data import calibration_batches
+    from mha2mla_exp.mla import convert_to_mla
+
+    model, tok = smollm2
+    calibration = calibration_batches(sotu, n=4, seq_len=SEQ_LEN, batch_size=4)
+    mla = convert_to_mla(model, rope="rorope", r=32, svd="none", calibration=calibration)
+    x = tok("Gentlemen of the Congress, the state of the Union is sound and our finances are in order.",
+            return_tensors="pt").input_ids
+    with torch.no_grad():
+        diff = (mla(x).logits - model(x).logits).abs().max().item()
+    print(f"\n[smollm2-135m RoRoPE, every rotated pair kept] max abs logit diff {diff:.2e}")
+    assert mla.config.rope_layout == "shared"
+    assert diff < 1e-4
+
+
 def test_paper_default_conversion_is_measured(smollm2, sotu, original_ppl):
     from mha2mla_exp.data import calibration_batches
     from mha2mla_exp.mla import convert_to_mla

@@ -31,7 +31,7 @@ PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Ll
 # Columns that identify one configuration: runs that agree on all of them (e.g. seeds) are averaged.
 CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "precision", "train_tokens")
 # MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
-DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight"}
+DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform"}
 
 
 def flatten(value, prefix: str = "") -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ..mla.spec import default_r
 from .records import flatten
 
 # W&B run states -> run-record statuses; a finished run without its own `status` is taken as ok
@@ -39,10 +40,12 @@ def mla_from_hydra(config: dict) -> dict | None:
     head_dim = ((config.get("model") or {}).get("shape") or {}).get("head_dim")
     r = rope.get("r")
     if r is None and head_dim:
-        r = {"full": head_dim // 2, "none": 0}.get(rope.get("strategy"), head_dim // 16)
+        r = default_r(rope.get("strategy"), head_dim)
+        r = head_dim // 16 if r is None else r  # a strategy this checkout does not know: the paper's default
     return {"rope": rope.get("strategy"), "r": r, "svd": svd.get("method"),
             "d_kv": None if svd.get("method") == "none" else svd.get("d_kv"),
-            "score": rope.get("score"), "sigma": svd.get("sigma"), "init": svd.get("init")}
+            "score": rope.get("score"), "sigma": svd.get("sigma"), "init": svd.get("init"),
+            "allocation": svd.get("allocation")}
 
 
 def wandb_record(run) -> dict:

@@ -49,7 +49,7 @@ def run_attention(batches, contexts, device: torch.device, dtype: torch.dtype, *
                                                                      scale), mla_bytes),
             }
             if device.type == "cuda" and triton_available():
-                from ..mla.kernels.triton_decode import absorbed_decode_triton
+                from ..mla.decode_triton import absorbed_decode_triton
 
                 def triton_core():
                     return absorbed_decode_triton(q_rope, q_latent, k_rope, latent, whole, whole, scale)

@@ -4,15 +4,23 @@ Pure torch + transformers: no Hydra, no I/O policy. Importing it registers the `
 model type with transformers' Auto classes.
 """
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from .cache import LatentCache, QuantizedLatentCache, cache_nbytes
 from .configuration import MLAConfig
 from .convert import check_architecture, convert_to_mla
 from .modeling import MLAAttention, MLAForCausalLM, MLAModel
-from .rope_selection import fixed_pairs, select_rope_pairs
-from .spec import ROPE_STRATEGIES, SVD_VARIANTS, MLASpec, ModelShape, kv_elements_per_token, kv_ratio, max_d_kv
+from .lowrank_init import LOWRANK_INITS, LowRankInit
+from .rope import ROPE_STRATEGIES, RopeStrategy, fixed_pairs
+from .spec import SVD_VARIANTS, MLASpec, ModelShape, default_r, kv_elements_per_token, kv_ratio, max_d_kv
+
+# in-package loading of saved folders; their remote code serves processes without this package
+AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
 
 __all__ = [
     "LatentCache", "QuantizedLatentCache", "cache_nbytes", "MLAConfig", "check_architecture", "convert_to_mla",
-    "MLAAttention", "MLAForCausalLM", "MLAModel", "fixed_pairs", "select_rope_pairs", "ROPE_STRATEGIES",
-    "SVD_VARIANTS", "MLASpec", "ModelShape", "kv_elements_per_token", "kv_ratio", "max_d_kv",
+    "MLAAttention", "MLAForCausalLM", "MLAModel", "fixed_pairs", "ROPE_STRATEGIES", "RopeStrategy",
+    "LOWRANK_INITS", "LowRankInit", "SVD_VARIANTS", "MLASpec", "ModelShape", "default_r", "kv_elements_per_token",
+    "kv_ratio", "max_d_kv",
 ]

@@ -9,6 +9,8 @@ never materialised). `nbytes()` counts the bytes actually held, quantization met
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, QuantizedLayer
@@ -126,14 +128,11 @@ class QuantizedLatentLayer(QuantizedLayer):
 
     def _backend_quantize(self, groups: torch.Tensor):
         if self.backend == "quanto":
-            from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
-
-            qtype = qint4 if self.nbits == 4 else qint2
-            scale, shift = MaxOptimizer()(groups, qtype, 0, groups.shape[-1])
-            return quantize_weight(groups, qtype, 0, scale, shift, groups.shape[-1])
-        from hqq.core.quantize import Quantizer
-
-        qtensor, meta = Quantizer.quantize(
+            quanto = _backend_module("optimum.quanto")
+            qtype = quanto.qint4 if self.nbits == 4 else quanto.qint2
+            scale, shift = quanto.MaxOptimizer()(groups, qtype, 0, groups.shape[-1])
+            return quanto.quantize_weight(groups, qtype, 0, scale, shift, groups.shape[-1])
+        qtensor, meta = _backend_module("hqq.core.quantize").Quantizer.quantize(
             groups, axis=1, device=groups.device, compute_dtype=groups.dtype,
             nbits=self.nbits, group_size=groups.shape[-1],
         )
@@ -143,10 +142,8 @@ class QuantizedLatentLayer(QuantizedLayer):
     def _backend_dequantize(self, payload) -> torch.Tensor:
         if self.backend == "quanto":
             return payload.dequantize()
-        from hqq.core.quantize import Quantizer
-
         qtensor, meta = payload
-        return Quantizer.dequantize(qtensor, meta)
+        return _backend_module("hqq.core.quantize").Quantizer.dequantize(qtensor, meta)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -157,6 +154,12 @@ class QuantizedLatentLayer(QuantizedLayer):
 
     def nbytes(self) -> int:
         return self.residual_nbytes() + tensor_bytes(self._quantized_keys) + tensor_bytes(self._quantized_values)
+
+
+def _backend_module(name: str):
+    """A quantization backend, imported by name: transformers scans a checkpoint's remote code for import
+    statements and would otherwise demand both optional backends from anyone loading it."""
+    return importlib.import_module(name)
 
 
 class QuantizedLatentCache(Cache):

@@ -10,16 +10,21 @@ from transformers import LlamaConfig
 class MLAConfig(LlamaConfig):
     """Config of an MHA2MLA model.
 
-    `mla` holds the conversion spec (rope, r, svd, d_kv, score, sigma, source model type);
-    `rope_pairs[layer][kv_head]` the sorted kept frequency pairs. `q_bias`/`kv_bias`/`o_bias`
-    say which attention projections carry a bias (Qwen2 has q/k/v biases, Llama none).
-    `absorb` switches decoding to read the latent directly (W_uk folded into the query).
+    `mla` holds the conversion spec (rope, r, svd, d_kv, score, sigma, init, allocation, source model type).
+    `rope_layout` is 'per_head' (each KV head keeps its own pairs, MHA2MLA) or 'shared' (one rope key read by
+    every query head, RoRoPE; see mla/layouts.py); `rope_pairs[layer][rope_key_head]` the kept frequency
+    pairs of each rope key head (n_kv heads of r pairs, or one head of n_kv*r). `latent_dims[layer]` is the
+    latent width of each layer when it varies (allocation='global'; None: n_kv*d_kv everywhere).
+    `q_bias`/`kv_bias`/`o_bias` say which attention projections carry a bias (Qwen2 has q/k/v biases, Llama
+    none). `absorb` switches decoding to read the latent directly (W_uk folded into the query).
     """
 
     model_type = "mha2mla"
 
     mla: dict | None = None
     rope_pairs: list | None = None
+    rope_layout: str = "per_head"
+    latent_dims: list | None = None
     q_bias: bool = False
     kv_bias: bool = False
     o_bias: bool = False
@@ -36,3 +41,6 @@ class MLAConfig(LlamaConfig):
     @property
     def svd(self) -> str:
         return self.mla["svd"]
+
+
+MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from .calibration import Calibration
 from .configuration import MLAConfig
-from .lowrank import collect_input_grams, low_rank_factors
+from .layouts import KeySplit
+from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
+from .lowrank_init import LOWRANK_INITS, LayerProblem
 from .modeling import MLAForCausalLM
-from .rope_selection import rope_dims, select_rope_pairs
-from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape
+from .rope import ROPE_STRATEGIES
+from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, max_d_kv
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +64,45 @@ def convert_to_mla(
     score: str = "product",
     sigma: str = "up",
     init: str = "weight",
+    allocation: str = "uniform",
     calibration: Iterable | None = None,
 ) -> MLAForCausalLM:
-    """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md.
+    """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md and docs/ARCHITECTURE.md.
 
-    rope: full | none | high | low | uniform | 2-norm, keeping `r` frequency pairs per KV head.
-    svd: joint | split | none, with latent width `d_kv` per KV head; `init`: 'weight' (plain SVD of
-    the weights, the paper) or 'activation' (minimise the K/V output error on the calibration
-    inputs). `calibration` is an iterable of input_ids batches, required by 2-norm and by
-    init='activation'. The original model is left untouched: the converted one owns copies of
+    rope: a registered RoPE strategy (full | none | high | low | uniform | 2-norm | rorope | ...), keeping
+    `r` frequency pairs per KV head. svd: joint | split | none, with latent width `d_kv` per KV head;
+    `init` a registered low-rank init (weight = the paper's plain SVD | activation | bkv | output);
+    `allocation`: 'uniform' (n_kv*d_kv per layer) or 'global' (the same total, spread over the layers by the
+    init's objective). `calibration` is an iterable of input_ids batches, required by the strategies and
+    inits that read statistics. The original model is left untouched: the converted one owns copies of
     every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
-    spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init)
-    for needs, what in ((spec.rope == "2-norm", "rope='2-norm'"), (spec.init == "activation", "init='activation'")):
-        if needs and calibration is None:
-            raise ValueError(f"{what} needs calibration data (an iterable of input_ids batches)")
-    if calibration is not None and spec.rope == "2-norm" and spec.init == "activation":
-        calibration = list(calibration)  # read twice
+    spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init,
+                          allocation=allocation)
+    if spec.needs_calibration and calibration is None:
+        raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
+                         "(an iterable of input_ids batches)")
+    calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
+    calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
-    pairs = select_rope_pairs(spec, shape, model=model, calibration=calibration)
-    grams = collect_input_grams(model, calibration) if spec.init == "activation" else [None] * shape.num_layers
-    config = build_mla_config(model, spec, pairs)
+    selections = ROPE_STRATEGIES.get(spec.rope).select(shape, spec.r, spec.score, calib)
+    layers = [layer.self_attn for layer in model.model.layers]
+    splits = [sel.split(attn, shape) for sel, attn in zip(selections, layers)]
+    latents = None
+    if spec.svd != "none":
+        problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
+                    for i, (split, attn) in enumerate(zip(splits, layers))]
+        latents = low_rank_latents(problems, spec, calib)
+    config = build_mla_config(model, spec, splits, latents)
     state = {
         name: tensor.detach().clone()
         for name, tensor in model.state_dict().items()
         if ".self_attn." not in name
     }
-    for i, layer in enumerate(model.model.layers):
-        weights = convert_attention_weights(layer.self_attn, pairs[i], spec, shape, gram=grams[i])
+    for i, (attn, split) in enumerate(zip(layers, splits)):
+        weights = attention_weights(attn, split, spec, None if latents is None else latents[i])
         state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
 
     with torch.device("meta"):
@@ -107,7 +120,7 @@ def convert_to_mla(
     return mla
 
 
-def build_mla_config(model: nn.Module, spec: MLASpec, pairs) -> MLAConfig:
+def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], latents=None) -> MLAConfig:
     src = model.config
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
     attn = model.model.layers[0].self_attn
@@ -115,11 +128,14 @@ def build_mla_config(model: nn.Module, spec: MLASpec, pairs) -> MLAConfig:
         "source_model_type": src.model_type,
         "source_name_or_path": getattr(src, "_name_or_path", ""),
     }
+    widths = None if latents is None else [latent.width for latent in latents]
     config = MLAConfig(
         **fields,
         mlp_bias=getattr(src, "mlp_bias", False),
         mla=mla_meta,
-        rope_pairs=pairs,
+        rope_pairs=[split.pairs for split in splits],
+        rope_layout=splits[0].layout,
+        latent_dims=widths if widths and len(set(widths)) > 1 else None,
         q_bias=attn.q_proj.bias is not None,
         kv_bias=attn.k_proj.bias is not None,
         o_bias=attn.o_proj.bias is not None,
@@ -130,63 +146,84 @@ def build_mla_config(model: nn.Module, spec: MLASpec, pairs) -> MLAConfig:
     return config
 
 
+@dataclass
+class Latent:
+    """One layer's low-rank factors: `down` [width, d] and the up-projections of the K and V latents."""
+
+    down: torch.Tensor
+    k_up: torch.Tensor
+    v_up: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.down.shape[0]
+
+
+def low_rank_latents(problems: list[LayerProblem], spec: MLASpec, calib: Calibration) -> list[Latent]:
+    """Every layer's factors under the spec's init (its weighting) and allocation. The factorised rows are
+    the compact NoPE keys and the values; `nope_embed` maps the key factor back to the keys heads meet."""
+    init = LOWRANK_INITS.get(spec.init)
+    weightings = [init.weighting(p, calib) for p in problems]
+    n_kv = problems[0].shape.num_kv_heads
+    if spec.svd == "split":
+        latents = []
+        for p, w in zip(problems, weightings):
+            k_down, k_up = low_rank_factors(p.split.nope_weight, n_kv * spec.d_kv // 2, spec.sigma, w.inputs, w.k)
+            v_down, v_up = low_rank_factors(p.v_weight, n_kv * spec.d_kv // 2, spec.sigma, w.inputs, w.v)
+            latents.append(Latent(torch.cat([k_down, v_down]), _embed(p.split, k_up), v_up))
+        return latents
+    svds = []
+    for p, w in zip(problems, weightings):
+        left = None if w.k is None and w.v is None else torch.block_diag(
+            _or_eye(w.k, len(p.split.nope_weight)), _or_eye(w.v, len(p.v_weight)))
+        svds.append(weighted_svd(torch.cat([p.split.nope_weight, p.v_weight]), left, w.inputs))
+    widths = [n_kv * spec.d_kv] * len(problems)
+    if spec.allocation == "global":
+        caps = [n_kv * max_d_kv(p.shape, spec.r, "joint") for p in problems]
+        widths = allocate_ranks([s.energy for s in svds], sum(widths), caps)
+    latents = []
+    for p, svd, width in zip(problems, svds, widths):
+        down, up = svd.factors(width, spec.sigma)
+        m_k = len(p.split.nope_weight)
+        latents.append(Latent(down, _embed(p.split, up[:m_k]), up[m_k:]))
+    return latents
+
+
+def _or_eye(matrix: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.eye(n, dtype=torch.float64) if matrix is None else matrix.double()
+
+
+def _embed(split: KeySplit, k_up: torch.Tensor) -> torch.Tensor:
+    """The up-projection onto the NoPE keys the heads meet (`nope_embed @ k_up`; the identity per head)."""
+    if split.nope_embed is None:
+        return k_up
+    return (split.nope_embed.double() @ k_up.double()).to(k_up.dtype)
+
+
 @torch.no_grad()
-def convert_attention_weights(
-    attn: nn.Module, pairs, spec: MLASpec, shape: ModelShape, gram: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """The MLA attention weights of one layer, keyed by MLAAttention's parameter names. `gram` (X^T X of
-    the layer's inputs) switches the SVD to the activation-aware one."""
-    n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    group = n_h // n_kv
-    rope_index, nope_index = split_dims(pairs, d_h)
-    perm = torch.cat([rope_index, nope_index], dim=1)  # [n_kv, d_h]: RoPE dims first
-
-    def rows(linear: nn.Linear, heads: int, index: torch.Tensor):
-        """The output rows `index[h]` of each head h, heads concatenated."""
-        head = torch.arange(heads)[:, None]
-        w = linear.weight.view(heads, d_h, -1)[head, index].reshape(-1, linear.in_features)
-        b = None if linear.bias is None else linear.bias.view(heads, d_h)[head, index].reshape(-1)
-        return w, b
-
-    out: dict[str, torch.Tensor] = {}
-    out["q_proj.weight"], q_bias = rows(attn.q_proj, n_h, perm.repeat_interleave(group, dim=0))
-    out["k_rope_proj.weight"], k_rope_bias = rows(attn.k_proj, n_kv, rope_index)
-    k_nope_w, k_nope_b = rows(attn.k_proj, n_kv, nope_index)
-    v_w, v_b = attn.v_proj.weight, attn.v_proj.bias
-    out["o_proj.weight"] = attn.o_proj.weight
-    for name, bias in (("q_proj", q_bias), ("k_rope_proj", k_rope_bias), ("o_proj", attn.o_proj.bias)):
+def attention_weights(attn: nn.Module, split: KeySplit, spec: MLASpec, latent: Latent | None) -> dict[str, torch.Tensor]:
+    """The MLA attention weights of one layer, keyed by MLAAttention's parameter names."""
+    out: dict[str, torch.Tensor] = {"q_proj.weight": split.q_weight, "k_rope_proj.weight": split.rope_weight,
+                                    "o_proj.weight": attn.o_proj.weight}
+    for name, bias in (("q_proj", split.q_bias), ("k_rope_proj", split.rope_bias), ("o_proj", attn.o_proj.bias)):
         if bias is not None:
             out[f"{name}.bias"] = bias
-
-    if spec.svd == "none":
-        out["kv_down_proj.weight"] = torch.cat([k_nope_w, v_w])
+    if split.q_rope_scale is not None:
+        out["q_rope_scale"] = split.q_rope_scale
+    v_w, v_b = attn.v_proj.weight, attn.v_proj.bias
+    if latent is None:  # svd='none': the latent is the full-rank [compact k_nope | v]
+        out["kv_down_proj.weight"] = torch.cat([split.nope_weight, v_w])
         if v_b is not None:
-            out["kv_down_proj.bias"] = torch.cat([k_nope_b, v_b])
+            out["kv_down_proj.bias"] = torch.cat([split.nope_bias, v_b])
+        if split.nope_embed is not None and split.nope_embed.numel():
+            out["k_up_proj.weight"] = split.nope_embed
     else:
-        latent = n_kv * spec.d_kv
-        if spec.svd == "joint":
-            down, up = low_rank_factors(torch.cat([k_nope_w, v_w]), latent, spec.sigma, gram)
-            k_up, v_up = up[: k_nope_w.shape[0]], up[k_nope_w.shape[0]:]
-        else:
-            k_down, k_up = low_rank_factors(k_nope_w, latent // 2, spec.sigma, gram)
-            v_down, v_up = low_rank_factors(v_w, latent // 2, spec.sigma, gram)
-            down = torch.cat([k_down, v_down])
-        out["kv_down_proj.weight"] = down
-        out["k_up_proj.weight"], out["v_up_proj.weight"] = k_up, v_up
+        out["kv_down_proj.weight"] = latent.down
+        out["k_up_proj.weight"], out["v_up_proj.weight"] = latent.k_up, latent.v_up
         if v_b is not None:  # folded into the up-projections: exact at full rank
-            out["k_up_proj.bias"], out["v_up_proj.bias"] = k_nope_b, v_b
+            nope_bias = split.nope_bias if split.nope_embed is None else _embed(split, split.nope_bias[:, None])[:, 0]
+            out["k_up_proj.bias"], out["v_up_proj.bias"] = nope_bias, v_b
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
-
-
-def split_dims(pairs, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head, the RoPE dims (see `rope_dims`) and the remaining NoPE dims in order."""
-    rope = rope_dims(pairs, head_dim)
-    nope = [[i for i in range(head_dim) if i not in set(dims)] for dims in rope]
-    n_kv = len(pairs)
-    return (
-        torch.tensor(rope, dtype=torch.long).view(n_kv, -1),
-        torch.tensor(nope, dtype=torch.long).view(n_kv, -1),
-    )
 
 
 def rebuild_buffers(mla: MLAForCausalLM, device) -> None:

@@ -1,66 +1,92 @@
-"""Step 2 of MHA2MLA: truncated-SVD factorisation of the key/value projections."""
+"""Step 2 of MHA2MLA: weighted truncated SVD of the key/value projections, and per-layer rank allocation.
+
+For a weight W [out, in], PSD weights M (on the outputs) and G (on the inputs), the rank-k W_hat that
+minimises ||M^{1/2} (W - W_hat) G^{1/2}||_F is, with M = L L^T and G = R R^T (Cholesky),
+W_hat = L^-T [L^T W R]_k R^-1 (Eckart-Young after whitening both sides). M = G = I is the paper's plain SVD;
+G = X^T X alone is activation-aware SVD (SVD-LLM). Exact at full rank for any weights.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
-def low_rank_factors(
-    weight: torch.Tensor, rank: int, sigma: str = "up", gram: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Factor `weight` [out, in] into `up @ down` with `down` [rank, in] and `up` [out, rank].
+def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of a PSD matrix (float64), damped by 1e-6 of its mean diagonal so that a
+    rank-deficient statistic (few calibration tokens, dead directions) still factors."""
+    m = matrix.double()
+    damp = 1e-6 * m.diagonal().mean().clamp_min(1e-12)
+    return torch.linalg.cholesky(m + damp * torch.eye(len(m), dtype=m.dtype, device=m.device))
 
-    Without `gram` this is the truncated SVD of the weight (the paper): it minimises ||W - up@down||.
-    With `gram` = X^T X of the layer's real inputs (activation-aware, as in SVD-LLM) it minimises the
-    error of the outputs on those inputs, ||(W - up@down) X^T||: with G = S S^T (Cholesky),
-    up@down = [W S]_rank S^-1. Exact at full rank either way.
 
-    sigma='up' puts all singular values into `up` (every code generation of the paper);
-    sigma='sqrt' splits them as sqrt(S) on each side (the paper's text). Same product either way.
-    The SVD runs in float32 (float64 for the whitening) on the weight's device.
-    """
-    w = weight.float()
-    chol = None
-    if gram is not None:
-        g = gram.to(device=w.device, dtype=torch.float64)
-        g = g + 1e-6 * g.diagonal().mean().clamp_min(1e-12) * torch.eye(len(g), dtype=g.dtype, device=g.device)
-        chol = torch.linalg.cholesky(g)
-        w = (w.double() @ chol).float()
+@dataclass
+class WeightedSVD:
+    """The SVD of L^T W R and the factors to undo the whitening; `factors(rank)` truncates it."""
+
+    u: torch.Tensor
+    s: torch.Tensor
+    vh: torch.Tensor
+    left: torch.Tensor | None   # L
+    right: torch.Tensor | None  # R
+    dtype: torch.dtype
+
+    @property
+    def energy(self) -> torch.Tensor:
+        """s^2: how much of the weighted error each kept direction removes."""
+        return self.s**2
+
+    def factors(self, rank: int, sigma: str = "up") -> tuple[torch.Tensor, torch.Tensor]:
+        """(down [rank, in], up [out, rank]) with up @ down = W_hat. sigma='up' puts the singular values
+        into `up` (every code generation of the paper); 'sqrt' splits them as sqrt(S) on each side (its text)."""
+        u, s, vh = self.u[:, :rank], self.s[:rank], self.vh[:rank]
+        if self.left is not None:  # L^-T u
+            u = torch.linalg.solve_triangular(self.left.T, u, upper=True)
+        if self.right is not None:  # vh R^-1 = (R^-T vh^T)^T
+            vh = torch.linalg.solve_triangular(self.right.T, vh.T, upper=True).T
+        if sigma == "up":
+            down, up = vh, u * s
+        elif sigma == "sqrt":
+            root = s.sqrt()
+            down, up = root[:, None] * vh, u * root
+        else:
+            raise ValueError(f"unknown sigma={sigma!r}; expected 'up' or 'sqrt'")
+        return down.to(self.dtype).contiguous(), up.to(self.dtype).contiguous()
+
+
+def weighted_svd(weight: torch.Tensor, left: torch.Tensor | None = None,
+                 right: torch.Tensor | None = None) -> WeightedSVD:
+    """The SVD of `weight` whitened by `left` (M, on its rows) and `right` (G, on its columns), in float64
+    on the weight's device."""
+    w = weight.double()
+    chol_l = None if left is None else _cholesky(left.to(w.device))
+    chol_r = None if right is None else _cholesky(right.to(w.device))
+    if chol_l is not None:
+        w = chol_l.T @ w
+    if chol_r is not None:
+        w = w @ chol_r
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
-    u, s, vh = u[:, :rank], s[:rank], vh[:rank]
-    if chol is not None:  # vh @ S^-1, by a triangular solve: (S^-T vh^T)^T
-        vh = torch.linalg.solve_triangular(chol.T, vh.double().T, upper=True).T.float()
-    if sigma == "up":
-        down, up = vh, u * s
-    elif sigma == "sqrt":
-        root = s.sqrt()
-        down, up = root[:, None] * vh, u * root
-    else:
-        raise ValueError(f"unknown sigma={sigma!r}; expected 'up' or 'sqrt'")
-    return down.to(weight.dtype).contiguous(), up.to(weight.dtype).contiguous()
+    return WeightedSVD(u, s, vh, chol_l, chol_r, weight.dtype)
 
 
-@torch.no_grad()
-def collect_input_grams(model: torch.nn.Module, calibration) -> list[torch.Tensor]:
-    """Per layer, X^T X of the key/value projections' input (the normed hidden states), summed over
-    every calibration token; float64 on the CPU."""
-    layers = [layer.self_attn for layer in model.model.layers]
-    d = layers[0].k_proj.in_features
-    grams = [torch.zeros(d, d, dtype=torch.float64) for _ in layers]
+def low_rank_factors(weight: torch.Tensor, rank: int, sigma: str = "up", gram: torch.Tensor | None = None,
+                     left: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down, up) of the rank-`rank` truncation of `weight` under input weight `gram` and output weight `left`."""
+    return weighted_svd(weight, left, gram).factors(rank, sigma)
 
-    def accumulate(gram: torch.Tensor):
-        def hook(module, args):
-            x = args[0].reshape(-1, d).double()
-            gram.add_((x.T @ x).cpu())
-        return hook
 
-    hooks = [attn.k_proj.register_forward_pre_hook(accumulate(g)) for attn, g in zip(layers, grams)]
-    device = next(model.parameters()).device
-    try:
-        for batch in calibration:
-            ids = torch.as_tensor(batch["input_ids"] if isinstance(batch, dict) else batch)
-            model(input_ids=(ids if ids.dim() == 2 else ids[None]).to(device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return grams
+def allocate_ranks(energies: list[torch.Tensor], total: int, caps: list[int], floor: int = 1) -> list[int]:
+    """Per-layer ranks summing to `total` that keep the largest singular energies across all layers (each
+    layer at least `floor`, at most its cap): under a fixed total latent, the rank goes where the init's
+    objective falls most. Ties go to the earlier layer."""
+    if total > sum(caps) or total < floor * len(caps):
+        raise ValueError(f"a total rank of {total} cannot be split over {len(caps)} layers "
+                         f"(at least {floor}, at most {caps} each)")
+    ranks = [floor] * len(caps)
+    candidates = [(float(e), layer, i) for layer, (energy, cap) in enumerate(zip(energies, caps))
+                  for i, e in enumerate(energy[:cap].tolist()) if i >= floor]
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))  # within a layer energies are sorted already
+    for _, layer, _ in candidates[: total - sum(ranks)]:
+        ranks[layer] += 1
+    return ranks

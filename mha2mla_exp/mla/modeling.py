@@ -1,14 +1,21 @@
 """The MHA2MLA model: Llama blocks whose attention caches a low-rank latent plus partial-RoPE keys.
 
-Layout inside `MLAAttention` (per layer):
-- `q_proj`: full-rank queries, each head's rows reordered to [RoPE dims (2r) | NoPE dims (d_h-2r)]
-  so that the kept pairs of its KV head come first (a permutation shared with the keys leaves q.k unchanged).
-- `k_rope_proj`: the keys' RoPE dims, per KV head (`n_kv*2r` outputs).
-- `kv_down_proj` (W_dkv): hidden -> latent c_kv (`n_kv*d_kv`). With svd='none' the "latent" is the
-  full [k_nope | v] and there are no up-projections.
-- `k_up_proj` (W_uk): latent (or its first half under 'split') -> NoPE keys of all KV heads.
-- `v_up_proj` (W_uv): latent (or its second half under 'split') -> values of all KV heads.
+Layout inside `MLAAttention` (per layer); `rope_layout` (mla/layouts.py) decides how the keys keep RoPE:
+- 'per_head' (MHA2MLA): `k_rope_proj` gives each KV head's kept RoPE dims (`n_kv*2r`), read by the query
+  heads of its group. `q_proj` rows are reordered per head to [RoPE dims (2r) | NoPE dims (d_h-2r)] (a
+  permutation shared with the keys leaves q.k unchanged); NoPE keys are d_h-2r dims per KV head.
+- 'shared' (RoRoPE, DeepSeek's layout): `k_rope_proj` gives one rope key of `2*n_kv*r` rotated dims read by
+  every query head; head h's rope query is its own query at those pairs' frequencies times `q_rope_scale[h]`
+  (the rotation, folded per head). Its NoPE query is the whole q_h, against d_h-dim NoPE keys per KV head.
+- `kv_down_proj` (W_dkv): hidden -> latent c_kv (`n_kv*d_kv`, or `latent_dims[layer]`). With svd='none' the
+  "latent" is the full-rank [k_nope | v] (compact NoPE coordinates under 'shared').
+- `k_up_proj` (W_uk): latent (or its first half under 'split') -> NoPE keys of all KV heads; under svd='none'
+  only the 'shared' layout has one (the fixed map from compact coordinates to d_h-dim keys).
+- `v_up_proj` (W_uv): latent (or its second half under 'split') -> values of all KV heads; none under svd='none'.
 - `o_proj`: unchanged.
+
+This file and the modules it imports relatively are copied into every saved folder (remote code): they
+import each other flat and nothing else from this package.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,8 +41,7 @@ from transformers.models.llama.modeling_llama import (
 
 from .cache import LatentCache, QuantizedLatentCache
 from .configuration import MLAConfig
-from .kernels import absorbed_decode
-from .rope_selection import rope_dims
+from .decode_dispatch import absorbed_decode
 
 
 class MLAAttention(nn.Module):
@@ -53,21 +58,28 @@ class MLAAttention(nn.Module):
         self.is_causal = True
 
         r = config.rope_r
-        self.rope_dim = 2 * r
-        self.nope_dim = d_h - 2 * r
+        pairs = config.rope_pairs[layer_idx]
+        self.shared_rope = config.rope_layout == "shared"
+        self.rope_heads = len(pairs)  # KV heads ('per_head') or 1 ('shared')
+        self.rope_groups = n_h // self.rope_heads
+        self.rope_dim = 2 * len(pairs[0])  # per rope key head
+        nope_rank = n_kv * (d_h - 2 * r)  # the NoPE keys' rank, in either layout
+        self.nope_dim = (d_h if nope_rank else 0) if self.shared_rope else d_h - 2 * r  # per head
         self.register_buffer("rope_index", self._rope_index(), persistent=False)
 
         d = config.hidden_size
         self.q_proj = nn.Linear(d, n_h * d_h, bias=config.q_bias)
-        self.k_rope_proj = nn.Linear(d, n_kv * self.rope_dim, bias=config.kv_bias)
+        self.q_rope_scale = nn.Parameter(torch.ones(n_h, self.rope_dim // 2)) if self.shared_rope else None
+        self.k_rope_proj = nn.Linear(d, self.rope_heads * self.rope_dim, bias=config.kv_bias)
+        self.k_up_proj = self.v_up_proj = None
         if config.svd == "none":
-            self.latent_dim = n_kv * (self.nope_dim + d_h)
+            self.latent_dim = nope_rank + n_kv * d_h
             self.kv_down_proj = nn.Linear(d, self.latent_dim, bias=config.kv_bias)
-            self.k_up_proj = self.v_up_proj = None
-            self.k_latent = slice(0, n_kv * self.nope_dim)
-            self.v_latent = slice(n_kv * self.nope_dim, self.latent_dim)
+            self.k_latent, self.v_latent = slice(0, nope_rank), slice(nope_rank, self.latent_dim)
+            if self.shared_rope and nope_rank:
+                self.k_up_proj = nn.Linear(nope_rank, n_kv * self.nope_dim, bias=False)
         else:
-            self.latent_dim = n_kv * config.d_kv
+            self.latent_dim = config.latent_dims[layer_idx] if config.latent_dims else n_kv * config.d_kv
             self.kv_down_proj = nn.Linear(d, self.latent_dim, bias=False)
             half = self.latent_dim // 2
             self.k_latent = slice(0, half) if config.svd == "split" else slice(0, self.latent_dim)
@@ -79,12 +91,21 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(n_h * d_h, d, bias=config.o_bias)
 
     def _rope_index(self, device=None) -> torch.Tensor:
-        dims = rope_dims(self.config.rope_pairs[self.layer_idx], self.head_dim)
-        return torch.tensor(dims, dtype=torch.long, device=device).view(self.num_kv_heads, self.rope_dim)
+        """Per rope key head, the head dims whose RoPE frequencies its dims take: kept pairs f, then f + d_h/2."""
+        half = self.head_dim // 2
+        dims = [list(p) + [f + half for f in p] for p in self.config.rope_pairs[self.layer_idx]]
+        return torch.tensor(dims, dtype=torch.long, device=device).view(self.rope_heads, self.rope_dim)
 
     def reset_buffers(self, device) -> None:
         """Recompute `rope_index` (non-persistent, so empty after a meta-device construction)."""
         self.rope_index = self._rope_index(device)
+
+    def _split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rope query [B, n_h, T, rope_dim] before rotation, NoPE query [B, n_h, T, nope_dim])."""
+        if not self.shared_rope:
+            return q.split([self.rope_dim, self.nope_dim], dim=-1)
+        q_rope = q[..., self.rope_index[0]] * self.q_rope_scale.repeat(1, 2)[:, None, :].to(q.dtype)
+        return q_rope, q[..., : self.nope_dim]
 
     def forward(
         self,
@@ -96,8 +117,8 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         b, t, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        q_rope, q_nope = q.split([self.rope_dim, self.nope_dim], dim=-1)
-        k_rope = self.k_rope_proj(hidden_states).view(b, t, self.num_kv_heads, self.rope_dim).transpose(1, 2)
+        q_rope, q_nope = self._split_query(q)
+        k_rope = self.k_rope_proj(hidden_states).view(b, t, self.rope_heads, self.rope_dim).transpose(1, 2)
         latent = self.kv_down_proj(hidden_states).unsqueeze(1)  # [B, 1, T, latent]
         if self.rope_dim:
             q_rope, k_rope = self._rotate(q_rope, k_rope, *position_embeddings)
@@ -112,11 +133,11 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(b, t, -1)), None
 
     def _rotate(self, q_rope, k_rope, cos, sin):
-        # cos/sin: [B, T, d_h] in rotate_half layout; pick each KV head's kept dims
-        cos_k = cos[..., self.rope_index].permute(0, 2, 1, 3)  # [B, n_kv, T, 2r]
+        # cos/sin: [B, T, d_h] in rotate_half layout; pick each rope key head's frequencies
+        cos_k = cos[..., self.rope_index].permute(0, 2, 1, 3)  # [B, rope_heads, T, rope_dim]
         sin_k = sin[..., self.rope_index].permute(0, 2, 1, 3)
-        cos_q = cos_k.repeat_interleave(self.num_key_value_groups, dim=1)
-        sin_q = sin_k.repeat_interleave(self.num_key_value_groups, dim=1)
+        cos_q = cos_k.repeat_interleave(self.rope_groups, dim=1)
+        sin_q = sin_k.repeat_interleave(self.rope_groups, dim=1)
         return q_rope * cos_q + rotate_half(q_rope) * sin_q, k_rope * cos_k + rotate_half(k_rope) * sin_k
 
     def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +146,9 @@ class MLAAttention(nn.Module):
         c = latent.squeeze(1)
         k_nope, v = c[..., self.k_latent], c[..., self.v_latent]
         if self.k_up_proj is not None:
-            k_nope, v = self.k_up_proj(k_nope), self.v_up_proj(v)
+            k_nope = self.k_up_proj(k_nope)
+        if self.v_up_proj is not None:
+            v = self.v_up_proj(v)
         k_nope = k_nope.view(b, s, self.num_kv_heads, self.nope_dim).transpose(1, 2)
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k_nope, v
@@ -133,6 +156,8 @@ class MLAAttention(nn.Module):
     def _expanded_attention(self, q_rope, q_nope, k_rope, latent, attention_mask, **kwargs):
         k_nope, v = self.expand_latent(latent)
         query = torch.cat([q_rope, q_nope], dim=-1)
+        if self.shared_rope:  # the one rope key beside every KV head's NoPE key
+            k_rope = k_rope.expand(-1, self.num_kv_heads, -1, -1)
         key = torch.cat([k_rope, k_nope], dim=-1)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -161,12 +186,16 @@ class MLAAttention(nn.Module):
         else:
             scores = torch.matmul(q_latent.reshape(b, 1, n_h * t, -1), c_k.transpose(-1, -2))
             if self.rope_dim:
-                rope_scores = torch.matmul(q_rope.reshape(b, n_kv, g * t, self.rope_dim), k_rope.transpose(-1, -2))
+                rope_q = q_rope.reshape(b, self.rope_heads, self.rope_groups * t, self.rope_dim)
+                rope_scores = torch.matmul(rope_q, k_rope.transpose(-1, -2))
                 scores = scores + rope_scores.reshape(b, 1, n_h * t, s)
             scores = (scores * self.scaling).view(b, n_h, t, s)
             scores = _apply_mask(scores, attention_mask)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
             attended = torch.matmul(probs.view(b, 1, n_h * t, s), c_v)  # [B, 1, n_h*T, L_v]
+        if self.v_up_proj is None:  # svd='none': the attended latent holds each KV head's values as they are
+            out = attended.view(b, n_kv, g, t, n_kv, self.head_dim).diagonal(dim1=1, dim2=4).permute(0, 4, 1, 2, 3)
+            return out.reshape(b, n_h, t, self.head_dim).transpose(1, 2)
         w_uv = self.v_up_proj.weight.view(n_kv, self.head_dim, self.v_up_proj.in_features)
         out = torch.einsum("bkgtl,kdl->bkgtd", attended.view(b, n_kv, g, t, -1), w_uv)
         if self.v_up_proj.bias is not None:
@@ -218,6 +247,8 @@ class MLAPreTrainedModel(LlamaPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, MLAAttention):  # a non-persistent buffer derived from the config
             init.copy_(module.rope_index, module._rope_index(module.rope_index.device))
+            if module.q_rope_scale is not None:
+                init.ones_(module.q_rope_scale)
 
 
 class MLAModel(MLAPreTrainedModel, LlamaModel):
@@ -270,5 +301,6 @@ class MLAForCausalLM(MLAPreTrainedModel, LlamaForCausalLM):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
-AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
-AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
+# save_pretrained copies this file and its flat relative imports into the folder and writes `auto_map`,
+# so `from_pretrained(folder, trust_remote_code=True)` loads it without this package
+MLAForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -1,18 +1,21 @@
 """What a conversion is asked to do, and whether a model's shape allows it.
 
-Pure Python on purpose: the runner validates a composed config against a model's recorded
-shape facts with these functions before any weight is loaded.
+No weights are touched here: the runner validates a composed config against a model's recorded shape facts
+with these functions before anything is loaded. RoPE strategies and low-rank inits are looked up in their
+registries (`mla/rope/`, `mla/lowrank_init/`), which also say what calibration they need and how they are named.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-ROPE_STRATEGIES = ("full", "none", "high", "low", "uniform", "2-norm")
+from .lowrank_init import LOWRANK_INITS
+from .rope import ROPE_STRATEGIES
+
 SVD_VARIANTS = ("joint", "split", "none")
-SCORES = ("product", "sum")
+SCORES = ("product", "sum", "rotation")
 SIGMA_PLACEMENTS = ("up", "sqrt")
-LOWRANK_INITS = ("weight", "activation")
+ALLOCATIONS = ("uniform", "global")  # the latent width: n_kv*d_kv in every layer, or the same total spread by energy
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -49,6 +52,7 @@ class MLASpec:
     score: str = "product"
     sigma: str = "up"
     init: str = "weight"
+    allocation: str = "uniform"
 
     @classmethod
     def create(
@@ -62,39 +66,31 @@ class MLASpec:
         score: str = "product",
         sigma: str = "up",
         init: str = "weight",
+        allocation: str = "uniform",
     ) -> "MLASpec":
         """Check every field against `shape`; raise ValueError naming the field on bad input."""
-        _check_choice("rope", rope, ROPE_STRATEGIES)
+        strategy = ROPE_STRATEGIES.get(rope)
         _check_choice("svd", svd, SVD_VARIANTS)
         _check_choice("score", score, SCORES)
+        if score not in strategy.scores:
+            raise ValueError(f"score={score!r} has no meaning for rope={rope!r}: "
+                             f"it takes {', '.join(map(repr, strategy.scores))}")
         _check_choice("sigma", sigma, SIGMA_PLACEMENTS)
-        _check_choice("init", init, LOWRANK_INITS)
-        half = shape.head_dim // 2
+        LOWRANK_INITS.get(init)
+        _check_choice("allocation", allocation, ALLOCATIONS)
         if shape.head_dim % 2:
             raise ValueError(f"head_dim={shape.head_dim} is odd; RoPE needs an even head dimension")
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"num_heads={shape.num_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
-
-        if rope == "full":
-            if r is not None and r != half:
-                raise ValueError(f"r={r} contradicts rope='full', which keeps all d_h/2={half} pairs")
-            r = half
-        elif rope == "none":
-            if r not in (None, 0):
-                raise ValueError(f"r={r} contradicts rope='none' (NoPE keeps no pair)")
-            r = 0
-        elif r is None:
-            raise ValueError(f"r is required for rope='{rope}'")
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise ValueError(f"r must be an integer, got {r!r}")
-        if not 0 <= r <= half:
-            raise ValueError(f"r={r} is outside [0, d_h/2] = [0, {half}] for head_dim={shape.head_dim}")
+        r = strategy.resolve_r(r, shape.head_dim)
 
         if svd == "none":
             if d_kv is not None:
                 raise ValueError(f"d_kv={d_kv} is given but svd='none' keeps full-rank keys and values")
             if init != "weight":
                 raise ValueError(f"init={init!r} has nothing to initialise: svd='none' keeps full-rank keys and values")
+            if allocation != "uniform":
+                raise ValueError(f"allocation={allocation!r} has no latent to allocate: svd='none'")
         else:
             if d_kv is None:
                 raise ValueError(f"d_kv is required for svd='{svd}'")
@@ -102,6 +98,8 @@ class MLASpec:
                 raise ValueError(f"d_kv must be a positive integer, got {d_kv!r}")
             if svd == "split" and d_kv % 2:
                 raise ValueError(f"d_kv={d_kv} must be even for svd='split' (K and V get d_kv/2 each)")
+            if allocation != "uniform" and svd != "joint":
+                raise ValueError(f"allocation={allocation!r} needs svd='joint' (one latent per layer to size)")
             limit = max_d_kv(shape, r, svd)
             if d_kv > limit:
                 raise ValueError(
@@ -109,14 +107,48 @@ class MLASpec:
                     f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
-        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init)
+        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init, allocation=allocation)
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        """The calibration statistics this conversion reads (empty: it needs no calibration data)."""
+        init = LOWRANK_INITS.get(self.init).statistics if self.svd != "none" else ()
+        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init))
+
+    @property
+    def needs_calibration(self) -> bool:
+        return bool(self.statistics)
+
+    def calibrated_fields(self) -> list[str]:
+        """The settings that ask for calibration data, as `field='value'` (for error messages)."""
+        fields = [f"rope={self.rope!r}"] if ROPE_STRATEGIES.get(self.rope).needs(self.score) else []
+        if self.svd != "none" and LOWRANK_INITS.get(self.init).statistics:
+            fields.append(f"init={self.init!r}")
+        return fields
+
+    def name_parts(self) -> tuple[str, str]:
+        """The run-name parts of this conversion: RoPE (e.g. '2-norm-r4') and low rank ('joint-dkv16-act')."""
+        rope = ROPE_STRATEGIES.get(self.rope).label(self.r, self.score)
+        if self.svd == "none":
+            return rope, "nosvd"
+        options = [f"{self.svd}-dkv{self.d_kv}", "sqrt" if self.sigma == "sqrt" else "",
+                   LOWRANK_INITS.get(self.init).label, "" if self.allocation == "uniform" else self.allocation]
+        return rope, "-".join(o for o in options if o)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def default_r(rope: str, head_dim: int) -> int | None:
+    """r for a config that leaves it null (the strategy's default, the paper's d_h/16 for most); None for an
+    unknown strategy, which `MLASpec.create` then reports."""
+    strategy = ROPE_STRATEGIES.find(rope)
+    return None if strategy is None else strategy.default_r(head_dim)
+
+
 def max_d_kv(shape: ModelShape, r: int, svd: str) -> int:
-    """The largest per-KV-head latent width whose truncated SVD is still of full attainable rank."""
+    """The largest per-KV-head latent width whose truncated SVD is still of full attainable rank. The NoPE
+    keys have rank n_kv*(d_h-2r) in either layout (RoRoPE's d_h-dim projected keys included)."""
     n_kv, d_h, d = shape.num_kv_heads, shape.head_dim, shape.hidden_size
     nope_rows = n_kv * (d_h - 2 * r)
     v_rows = n_kv * d_h

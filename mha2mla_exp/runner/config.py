@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..data.sources import check_data_config, probe_hub_datasets
 from ..mla.cache import check_kv_quant
-from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape
+from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import check_model_config, probe_architecture
 from ..train.objectives import build_objective
 from ..train.precision import Precision, precision_for
@@ -84,13 +84,12 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     spec = None
     if cfg.variant == "mla":
-        r = cfg.rope.r
-        if r is None and cfg.rope.strategy not in ("full", "none"):
-            r = shape.head_dim // 16  # the paper's default
+        r = cfg.rope.r if cfg.rope.r is not None else default_r(cfg.rope.strategy, shape.head_dim)
         try:
             spec = MLASpec.create(
                 shape, rope=cfg.rope.strategy, r=r, svd=cfg.svd.method, d_kv=cfg.svd.d_kv,
                 score=cfg.rope.score, sigma=cfg.svd.sigma, init=cfg.svd.get("init", "weight"),
+                allocation=cfg.svd.get("allocation", "uniform"),
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -130,7 +129,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     if precision is not None:
         runtime["precision"].pop("reason")  # why auto chose it is a note, not an identity
         runtime["rows_per_step"] = global_batch_rows(cfg.train)
-    calibrates = spec is not None and needs_calibration(spec)
+    calibrates = spec is not None and spec.needs_calibration
     trained = trained_identity(cfg, runtime=runtime, converts=spec is not None, trains=fine_tune, distills=distill,
                                calibrates=calibrates)
     conversion = trained_identity(cfg, runtime=runtime, converts=True, trains=False, distills=False,
@@ -150,11 +149,6 @@ def world_size() -> int:
 
 def global_batch_rows(train_cfg) -> int:
     return int(train_cfg.micro_batch_size) * int(train_cfg.grad_accum) * world_size()
-
-
-def needs_calibration(spec: MLASpec) -> bool:
-    """Whether the conversion reads calibration data (2-norm selection, activation-aware SVD)."""
-    return spec.rope == "2-norm" or spec.init == "activation"
 
 
 def resolve_eval_dtype(dtype: str | None, device_type: str) -> str:
@@ -237,7 +231,7 @@ def _check_eval(eval_cfg: DictConfig) -> None:
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
-                "init": "svd.init",
+                "init": "svd.init", "allocation": "svd.allocation",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
 
 
@@ -259,15 +253,7 @@ def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
     if plan.spec is None:
         parts.append("original" if plan.variant == "original" else "full-attention")
     else:
-        s = plan.spec
-        rope = {"full": "fullrope", "none": "nope"}.get(s.rope, f"{s.rope}-r{s.r}")
-        if s.rope == "2-norm" and s.score != "product":
-            rope += f"-{s.score}"
-        parts.append(rope)
-        svd = "nosvd" if s.svd == "none" else f"{s.svd}-dkv{s.d_kv}"
-        svd += "-sqrt" if s.sigma == "sqrt" else ""
-        svd += "-act" if s.init == "activation" else ""
-        parts.append(svd)
+        parts.extend(plan.spec.name_parts())
     if plan.distill:
         parts.append(f"distill{cfg.distill.sequences}x{cfg.distill.epochs}")
     if plan.fine_tune:
@@ -285,7 +271,7 @@ def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
 
 def describe_conversion(plan: RunPlan, cfg: DictConfig) -> str:
     """The untrained conversion's name: model and conversion."""
-    return "__".join(describe_trained(plan, cfg).split("__")[:3]) + "__converted"
+    return "__".join([cfg.model.name, *plan.spec.name_parts(), "converted"])
 
 
 def describe(plan: RunPlan, cfg: DictConfig) -> str:

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..mla import convert_to_mla
-from .config import RunPlan, needs_calibration
+from .config import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ def training_rows(cfg: DictConfig, data, num_processes: int):
 
 
 def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
-    """Calibration samples for 2-norm and activation-aware SVD, drawn from the training split;
-    None when neither needs them."""
-    if plan.spec is None or not needs_calibration(plan.spec):
+    """Calibration samples for the RoPE strategy and low-rank init that read statistics (the spec says
+    which), drawn from the training split; None when neither does."""
+    if plan.spec is None or not plan.spec.needs_calibration:
         return None
     from ..data import calibration_batches as sample
 
@@ -79,9 +79,7 @@ def convert(plan: RunPlan, model, calibration):
     """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows."""
     if plan.spec is None:
         return model
-    s = plan.spec
-    return convert_to_mla(model, rope=s.rope, r=s.r, svd=s.svd, d_kv=s.d_kv, score=s.score, sigma=s.sigma,
-                          init=s.init, calibration=calibration)
+    return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration)
 
 
 def distill(cfg: DictConfig, teacher, student, data) -> dict:

@@ -31,8 +31,8 @@ def main(argv=None) -> int:
         raise SystemExit("the launch-config sweep needs CUDA")
     import triton.testing
 
-    from .reference import absorbed_decode_reference
-    from .triton_decode import absorbed_decode_triton, default_config
+    from ..decode_reference import absorbed_decode_reference
+    from ..decode_triton import absorbed_decode_triton, default_config
 
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -6,7 +6,7 @@ against the key slice, probabilities times the value slice; under svd='joint' bo
 the same tile, loaded once). The per-KV-head rope keys `[B, n_kv, S, 2r]` are small and read
 per head. The sequence is split into NUM_SPLITS chunks (split-K) so that a small batch still
 fills the GPU; each chunk keeps an online softmax, and a second kernel merges the chunks by
-their log-sum-exp. Importing this module imports triton.
+their log-sum-exp. Importing this module imports triton (`decode_dispatch` only does so when it imports).
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # an optional dependency: transformers scans a checkpoint's code for imports, but not inside `try`
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("the Triton decode kernel needs triton: pip install 'mha2mla_exp[kernels]'") from err
 
 _LOG2E = 1.4426950408889634
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
-from .reference import absorbed_decode_reference
+from .decode_reference import absorbed_decode_reference
 
 BACKENDS = ("auto", "triton", "torch")
 _state = {"backend": "auto", "triton_calls": 0}
@@ -16,10 +15,8 @@ _state = {"backend": "auto", "triton_calls": 0}
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """Whether triton can be imported (it is an optional dependency: the `kernels` extra)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
     try:
-        from . import triton_decode  # noqa: F401
+        from .decode_triton import absorbed_decode_triton  # noqa: F401
     except Exception:  # a broken triton install must not break the model: fall back to torch
         return False
     return True
@@ -63,7 +60,7 @@ def absorbed_decode(
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     use_triton = backend == "triton" or (backend == "auto" and latent.is_cuda and triton_available())
     if use_triton:
-        from .triton_decode import absorbed_decode_triton
+        from .decode_triton import absorbed_decode_triton
 
         _state["triton_calls"] += 1
         return absorbed_decode_triton(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale,

@@ -1,0 +1,286 @@
+"""Calibration statistics: what RoPE strategies and low-rank inits read from the source model's activations.
+
+A `Statistic` hooks the attention layers and accumulates over the calibration batches; one forward pass
+over the batches serves every statistic a conversion asks for (`Calibration.prefetch`). Named statistics
+register themselves, so a strategy declares `statistics = ("pair_norms", ...)`; a strategy may also bring
+its own unnamed one and run it with `Calibration.run` (RoRoPE's rotated-key norms need its rotation first).
+Every result is on the CPU: pair norms in float32, moments in float64 as means per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+STATISTICS: dict[str, type["Statistic"]] = {}
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+class Statistic:
+    """Accumulates one statistic of every layer; `attach` registers hooks, `result` reads it out."""
+
+    name: ClassVar[str] = ""  # set to register it for `statistics = (name, ...)`
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            if cls.name in STATISTICS and STATISTICS[cls.name].__qualname__ != cls.__qualname__:
+                raise ValueError(f"calibration statistic {cls.name!r} is defined twice")
+            STATISTICS[cls.name] = cls
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def attach(self, layers: list[nn.Module]) -> list:
+        raise NotImplementedError
+
+    def result(self, n_seqs: int, n_tokens: int):
+        raise NotImplementedError
+
+
+def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    return x.float().view(*x.shape[:-1], heads, head_dim)  # [B, T, heads, d_h]
+
+
+class PairNorms(Statistic):
+    """Mean pre-RoPE pair norms of queries [L, n_h, d_h/2] and keys [L, n_kv, d_h/2] (bias included):
+    averaged over the tokens of each sequence, then over sequences (the paper's 2-norm statistic)."""
+
+    name = "pair_norms"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        half = shape.head_dim // 2
+        self.q = torch.zeros(shape.num_layers, shape.num_heads, half, dtype=torch.float64)
+        self.k = torch.zeros(shape.num_layers, shape.num_kv_heads, half, dtype=torch.float64)
+
+    def attach(self, layers):
+        d_h, half = self.shape.head_dim, self.shape.head_dim // 2
+
+        def hook(total, heads):
+            def fn(module, args, out):
+                x = _heads(out, heads, d_h)
+                norms = torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2)  # [B, T, heads, half]
+                total.add_(norms.mean(dim=1).sum(dim=0).double().cpu())
+            return fn
+
+        return [h for i, attn in enumerate(layers) for h in (
+            attn.q_proj.register_forward_hook(hook(self.q[i], self.shape.num_heads)),
+            attn.k_proj.register_forward_hook(hook(self.k[i], self.shape.num_kv_heads)))]
+
+    def result(self, n_seqs, n_tokens):
+        return (self.q / n_seqs).float(), (self.k / n_seqs).float()
+
+
+class KeyPairMoments(Statistic):
+    """Per layer and frequency f, the n_kv x n_kv second moment of the pre-RoPE keys across KV heads,
+    real and imaginary halves pooled: mean over tokens of k_re k_re^T + k_im k_im^T. [L, d_h/2, n_kv, n_kv]."""
+
+    name = "key_pair_moments"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        n_kv, half = shape.num_kv_heads, shape.head_dim // 2
+        self.total = torch.zeros(shape.num_layers, half, n_kv, n_kv, dtype=torch.float64)
+
+    def attach(self, layers):
+        d_h, half = self.shape.head_dim, self.shape.head_dim // 2
+
+        def hook(total):
+            def fn(module, args, out):
+                x = _heads(out, self.shape.num_kv_heads, d_h).double()
+                re, im = x[..., :half], x[..., half:]
+                total.add_((torch.einsum("btgf,bthf->fgh", re, re) + torch.einsum("btgf,bthf->fgh", im, im)).cpu())
+            return fn
+
+        return [attn.k_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return self.total / n_tokens
+
+
+class InputGram(Statistic):
+    """Per layer, the mean X^T X of the attention projections' input (the normed hidden states). [L, d, d]"""
+
+    name = "input_gram"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        d = shape.hidden_size
+        self.total = torch.zeros(shape.num_layers, d, d, dtype=torch.float64)
+
+    def attach(self, layers):
+        def hook(total):
+            def fn(module, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                total.add_((x.T @ x).cpu())
+            return fn
+
+        return [attn.k_proj.register_forward_pre_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return self.total / n_tokens
+
+
+class QueryMoments(Statistic):
+    """Per layer and query head, the mean q q^T of the pre-RoPE query (bias included): what a NoPE key
+    error is seen through. [L, n_h, d_h, d_h]"""
+
+    name = "query_moments"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        n_h, d_h = shape.num_heads, shape.head_dim
+        self.total = torch.zeros(shape.num_layers, n_h, d_h, d_h, dtype=torch.float64)
+
+    def attach(self, layers):
+        def hook(total):
+            def fn(module, args, out):
+                x = _heads(out, self.shape.num_heads, self.shape.head_dim).double()
+                total.add_(torch.einsum("bthi,bthj->hij", x, x).cpu())
+            return fn
+
+        return [attn.q_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return self.total / n_tokens
+
+
+def attention_probs(attn: nn.Module, shape, args, kwargs) -> torch.Tensor:
+    """A Llama-family attention layer's own causal probabilities [B, n_h, T, T], recomputed in a forward
+    pre-hook (calibration rows are unpadded). F.linear, not the projections: their hooks (other
+    statistics) must see each token once."""
+    n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cos, sin = kwargs["position_embeddings"]
+    b, t, _ = x.shape
+    q, k = (F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float()
+            for p in (attn.q_proj, attn.k_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos.float(), sin.float())
+    scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * getattr(attn, "scaling", d_h**-0.5)
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+
+
+class ValueSpread(Statistic):
+    """Per layer and query head h, tau_h = mean over queries t of sum_s p_ts ||W_o,h (v_s - o_t)||^2: how
+    far, through the output projection, the values a query attends to lie from its output o_t = sum_s p_ts v_s.
+    A score error d at key s moves the head's output by p_s (d_s - mean_p d) (v_s - o_t), so tau_h turns a
+    score error into an output error. [L, n_h]"""
+
+    name = "value_spread"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.total = torch.zeros(shape.num_layers, shape.num_heads, dtype=torch.float64)
+
+    def attach(self, layers):
+        n_h, n_kv, d_h = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
+
+        def hook(total):
+            def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(*x.shape[:2], n_kv, d_h)
+                v = v.transpose(1, 2).float().repeat_interleave(n_h // n_kv, dim=1)
+                w_o = attn.o_proj.weight.float().view(-1, n_h, d_h).transpose(0, 1)  # [n_h, d, d_h]
+                metric = w_o.transpose(1, 2) @ w_o  # [n_h, d_h, d_h] = W_o,h^T W_o,h
+                v_norm = torch.einsum("bhsi,hij,bhsj->bhs", v, metric, v)
+                o = p @ v
+                o_norm = torch.einsum("bhti,hij,bhtj->bht", o, metric, o)
+                spread = (p @ v_norm.unsqueeze(-1)).squeeze(-1) - o_norm  # [B, n_h, T]
+                total.add_(spread.sum(dim=(0, 2)).double().cpu())
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
+                for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return self.total / n_tokens
+
+
+class RotationDistance(Statistic):
+    """Per layer, query head h and frequency f, rho_{h,f} = mean over queries t of sum_s p_ts
+    |e^{i theta_f t} - e^{i theta_f s}|: how far the rotation of pair f moves over the distances the head
+    actually attends. Dropping RoPE on pair f changes its score term Re(q k* e^{i theta_f (t-s)}) by at most
+    |q||k| times that: a pair whose frequency barely turns within the attended span is NoPE already.
+    Read from the model's own cos/sin (any RoPE scaling included). [L, n_h, d_h/2]"""
+
+    name = "rotation_distance"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
+
+    def attach(self, layers):
+        half = self.shape.head_dim // 2
+
+        def hook(total):
+            def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
+                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
+                distance = torch.sqrt((cos[:, None] - cos[None]) ** 2 + (sin[:, None] - sin[None]) ** 2)
+                total.add_(torch.einsum("bhts,tsf->hf", p, distance).double().cpu())
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
+                for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return (self.total / n_tokens).float()
+
+
+class Calibration:
+    """The calibration batches of one conversion and the statistics read from them (each collected once)."""
+
+    def __init__(self, model: nn.Module, batches: Iterable | None, shape):
+        self.model, self.shape = model, shape
+        self.batches = None if batches is None else list(batches)
+        self._results: dict[str, object] = {}
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Collect every named statistic not collected yet, in one pass."""
+        missing = [n for n in dict.fromkeys(names) if n not in self._results]
+        unknown = [n for n in missing if n not in STATISTICS]
+        if unknown:
+            raise ValueError(f"unknown calibration statistic(s) {unknown}; known: {sorted(STATISTICS)}")
+        if missing:
+            results = self.run(*(STATISTICS[n](self.shape) for n in missing))
+            self._results.update(zip(missing, results))
+
+    def get(self, name: str):
+        self.prefetch([name])
+        return self._results[name]
+
+    @torch.no_grad()
+    def run(self, *statistics: Statistic) -> list:
+        """One forward pass over the batches with every statistic's hooks; their results, in order."""
+        if self.batches is None:
+            raise ValueError("this conversion needs calibration data (an iterable of input_ids batches)")
+        layers = attention_layers(self.model)
+        device = next(self.model.parameters()).device
+        hooks = [h for s in statistics for h in s.attach(layers)]
+        was_training = self.model.training
+        self.model.eval()
+        n_seqs = n_tokens = 0
+        try:
+            for batch in self.batches:
+                ids = torch.as_tensor(batch["input_ids"] if isinstance(batch, dict) else batch)
+                ids = ids if ids.dim() == 2 else ids[None]
+                self.model(input_ids=ids.to(device), use_cache=False)
+                n_seqs, n_tokens = n_seqs + ids.shape[0], n_tokens + ids.numel()
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train(was_training)
+        if n_seqs == 0:
+            raise ValueError("the calibration iterable is empty")
+        return [s.result(n_seqs, n_tokens) for s in statistics]

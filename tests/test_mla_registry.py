@@ -1,0 +1,87 @@
+"""The strategy registry: a RoPE strategy defined by one class, here in this file and nowhere else, is
+validated, calibrated, converted, named, run by the runner and understood by the aggregation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import tiny_causal_lm
+from mha2mla_exp.mla import ROPE_STRATEGIES, LOWRANK_INITS, MLASpec, ModelShape, RopeStrategy, convert_to_mla
+from mha2mla_exp.mla.calibration import Calibration
+from mha2mla_exp.mla.layouts import HeadPairs
+from mha2mla_exp.mla.rope.two_norm import top_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class LoudestKeys(RopeStrategy):
+    """Per KV head, the r pairs whose pre-RoPE keys have the largest mean norm (queries ignored)."""
+
+    name = "test-loudest-keys"
+    statistics = ("pair_norms",)
+    calls = 0
+
+    def select(self, shape, r, score, calibration):
+        type(self).calls += 1
+        _, k_norms = calibration.get("pair_norms")
+        return [HeadPairs(top_pairs(k_norms[i], r)) for i in range(shape.num_layers)]
+
+
+@torch.no_grad()
+def test_a_new_strategy_converts(tokens):
+    model = tiny_causal_lm("qwen2")
+    calib = [tokens]
+    mla = convert_to_mla(model, rope="test-loudest-keys", r=3, svd="joint", d_kv=6, init="activation",
+                         calibration=calib)
+    shape = ModelShape.from_config(model.config)
+    _, k_norms = Calibration(model, calib, shape).get("pair_norms")
+    assert mla.config.rope_pairs == [top_pairs(k_norms[i], 3) for i in range(shape.num_layers)]
+    assert mla.config.mla["rope"] == "test-loudest-keys"
+    exact = convert_to_mla(model, rope="test-loudest-keys", r=8, svd="none", calibration=calib)
+    assert (exact(tokens).logits - model(tokens).logits).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="rope='test-loudest-keys' needs calibration"):
+        convert_to_mla(model, rope="test-loudest-keys", r=3, svd="none")
+
+
+def test_a_new_strategy_runs_through_the_runner(tmp_path):
+    from mha2mla_exp.aggregate.wandb_source import mla_from_hydra
+    from mha2mla_exp.runner import run, validate
+    from mha2mla_exp.runner.config import describe
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "+experiment=smoke", "+cells/smoke=mla_2-norm_joint", f"results_dir={tmp_path}",
+            "rope.strategy=test-loudest-keys", "rope.r=null", "train.enabled=false"])
+    plan = validate(cfg)
+    assert plan.spec.rope == "test-loudest-keys" and plan.spec.r == 16 // 16 and plan.spec.needs_calibration
+    assert "__test-loudest-keys-r1__joint-dkv8__" in describe(plan, cfg)
+    before = LoudestKeys.calls
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    assert LoudestKeys.calls == before + 1
+    assert record["mla"]["rope"] == "test-loudest-keys" and record["mla"]["r"] == 1
+    hydra_config = {"variant": "mla", "rope": {"strategy": "test-loudest-keys", "r": None},
+                    "svd": {"method": "joint", "d_kv": 8}, "model": {"shape": {"head_dim": 16}}}
+    assert mla_from_hydra(hydra_config)["r"] == 1
+
+
+def test_registry_rules():
+    assert {"full", "none", "high", "low", "uniform", "2-norm", "rorope", "test-loudest-keys"} <= set(ROPE_STRATEGIES)
+    assert {"weight", "activation", "bkv", "output"} <= set(LOWRANK_INITS)
+    with pytest.raises(ValueError, match="defined twice"):
+        type("Impostor", (RopeStrategy,), {"name": "2-norm", "__module__": __name__})
+    with pytest.raises(ValueError, match=r"unknown rope='middle'; expected one of .*'2-norm'"):
+        ROPE_STRATEGIES.get("middle")
+
+    class Helper(RopeStrategy):  # no name: a base for others, not a strategy
+        pass
+
+    assert "Helper" not in ROPE_STRATEGIES and "" not in ROPE_STRATEGIES
+    shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    assert MLASpec.create(shape, rope="2-norm", r=2, svd="joint", d_kv=4, init="output").statistics == (
+        "pair_norms", "input_gram", "query_moments", "value_spread")
+    assert not MLASpec.create(shape, rope="high", r=2, svd="none").needs_calibration
