@@ -149,7 +149,7 @@ def test_generate_with_quantized_latent_cache(backend, spec, tokens):
 
 
 def test_quantized_cache_rejects_bad_options():
-    with pytest.raises(ValueError, match="unknown KV quantization backend"):
+    with pytest.raises(ValueError, match="kv_quant.backend: unknown 'bnb'"):
         QuantizedLatentLayer("bnb")
-    with pytest.raises(ValueError, match="nbits=3 is not supported by backend 'quanto'"):
+    with pytest.raises(ValueError, match="kv_quant.nbits: 3 is not supported by quanto"):
         QuantizedLatentLayer("quanto", nbits=3)
