@@ -14,6 +14,8 @@ rank. To add one, write a class in a new file of this package (and a line in `co
 
         def weighting(self, problem, calibration):
             return Weighting(inputs=calibration.get("input_gram")[problem.layer])
+
+An init may offer several candidates (`weightings`); the conversion then measures them (see `output.py`).
 """
 
 from __future__ import annotations
@@ -60,3 +62,8 @@ class LowRankInit:
 
     def weighting(self, problem: LayerProblem, calibration) -> Weighting:
         raise NotImplementedError
+
+    def weightings(self, problem: LayerProblem, calibration) -> list[Weighting]:
+        """Candidate weightings; with more than one, the conversion keeps, per layer, the truncation whose
+        attention output is closest to the full-rank layer's on the calibration sample (`attention_inputs`)."""
+        return [self.weighting(problem, calibration)]
