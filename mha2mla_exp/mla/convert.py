@@ -96,6 +96,8 @@ def convert_to_mla(
                     for i, (split, attn) in enumerate(zip(splits, layers))]
         latents = low_rank_latents(model, problems, spec, calib)
     config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
+    if latents and any(x.choice for x in latents):
+        config.mla["init_choices"] = [x.choice for x in latents]
     state = {
         name: tensor.detach().clone()
         for name, tensor in model.state_dict().items()
@@ -152,6 +154,7 @@ class Latent:
     down: torch.Tensor
     k_up: torch.Tensor
     v_up: torch.Tensor
+    choice: str = ""  # the init's candidate it came from, when the init offered several
 
     @property
     def width(self) -> int:
@@ -173,11 +176,13 @@ def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASp
     meter = None
     latents = []
     for p, width in zip(problems, widths):
-        candidates = [_latent(p, w, width, spec) for w in init.weightings(p, calib)]
+        options = init.weightings(p, calib)
+        candidates = [_latent(p, w, width, spec) for w in options]
         if len(candidates) > 1:
             meter = meter or LayerMeter(model, spec, [q.split for q in problems], widths, calib)
             errors = [meter.error(p.layer, c) for c in candidates]
-            candidates = [candidates[errors.index(min(errors))]]
+            best = errors.index(min(errors))
+            candidates = [replace(candidates[best], choice=options[best].label)]
         latents.append(candidates[0])
     return latents
 

@@ -101,6 +101,7 @@ def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
     record["model"]["params"] = stages.count_parameters(model)
     if plan.spec is not None:
         record["rope_pairs"] = model.config.rope_pairs
+        record["conversion"] = model.config.conversion_facts()
 
     if plan.fine_tune:
         shared = _shared_weights_dir(cfg) if cfg.train.get("share_trained") else None

@@ -48,6 +48,7 @@ class Weighting:
     k: torch.Tensor | None = None       # [m_k, m_k] on the compact NoPE key rows
     v: torch.Tensor | None = None       # [n_kv*d_h, n_kv*d_h] on the value rows
     inputs: torch.Tensor | None = None  # [d, d]
+    label: str = ""                     # names a candidate in the converted config (`mla.init_choices`)
 
 
 class LowRankInit:

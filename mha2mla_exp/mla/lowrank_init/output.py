@@ -49,8 +49,11 @@ class OutputAware(LowRankInit):
 
     def weightings(self, problem, calibration):
         derived = self.derived(problem, calibration)
-        scaled = [Weighting(k=b * derived.k, v=derived.v, inputs=derived.inputs) for b in BALANCES]
-        return [ActivationSVD().weighting(problem, calibration), BalancedKV().weighting(problem, calibration), *scaled]
+        scaled = [Weighting(b * derived.k, derived.v, derived.inputs, f"output*{b:g}") for b in BALANCES]
+        activation = ActivationSVD().weighting(problem, calibration)
+        bkv = BalancedKV().weighting(problem, calibration)
+        activation.label, bkv.label = "activation", "bkv"
+        return [activation, bkv, *scaled]
 
     def weighting(self, problem, calibration):
         return self.derived(problem, calibration)
