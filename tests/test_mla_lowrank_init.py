@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from conftest import tiny_causal_lm
-from mha2mla_exp.mla import LOWRANK_INITS, LatentCache, ModelShape, convert_to_mla, max_d_kv
+from mha2mla_exp.mla import LOWRANK_INITS, LatentCache, LowRankInit, ModelShape, convert_to_mla, max_d_kv
 from mha2mla_exp.mla.calibration import Calibration
+from mha2mla_exp.mla.lowrank_init.output import OutputAware
+
+
+class DerivedOutputWeighting(LowRankInit):
+    """The output init's derived weighting alone (no measured balance), as an init of its own."""
+
+    name = "test-output-derived"
+    statistics = ("input_gram", "query_moments", "value_spread")
+
+    def weighting(self, problem, calibration):
+        return OutputAware().derived(problem, calibration)
 
 
 def calibration_tokens(seed: int = 3, n: int = 3) -> list[torch.Tensor]:
@@ -135,22 +146,55 @@ def test_every_init_is_exact_at_full_rank(rope, init, tokens):
 
 
 @pytest.mark.parametrize("rope", ["uniform", "rorope"])
-def test_each_init_reaches_the_optimum_of_its_objective_and_beats_the_others_there(rope):
+def test_each_weighting_reaches_the_optimum_of_its_objective_and_beats_the_others_there(rope):
     model = tiny_causal_lm("gqa", layers=2)
     calib = calibration_tokens()
     full_rank = convert_to_mla(model, rope=rope, r=2, svd="none", calibration=calib)
+    inits = ("weight", "activation", "bkv", "test-output-derived")
     for d_kv in (2, 6, 12):
         scores = {init: objectives(model, full_rank, convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=d_kv,
                                                                       init=init, calibration=calib), calib, 2 * d_kv)
-                  for init in ("weight", "activation", "bkv", "output")}
-        optimum = scores["weight"]
-        assert scores["output"]["output"] == pytest.approx(optimum["output_optimum"], rel=1e-5), d_kv
+                  for init in inits}
+        optimum, derived = scores["weight"], scores["test-output-derived"]
+        assert derived["output"] == pytest.approx(optimum["output_optimum"], rel=1e-5), d_kv
         assert scores["activation"]["activation"] == pytest.approx(optimum["activation_optimum"], rel=1e-5), d_kv
-        for other in ("weight", "activation", "bkv"):
-            assert scores["output"]["output"] <= scores[other]["output"] * (1 + 1e-6), (d_kv, other, scores)
-        for other in ("weight", "bkv", "output"):
+        for other in inits:
+            assert derived["output"] <= scores[other]["output"] * (1 + 1e-6), (d_kv, other, scores)
             assert scores["activation"]["activation"] <= scores[other]["activation"] * (1 + 1e-6), (d_kv, other)
-        assert scores["output"]["output"] < scores["activation"]["output"] * 0.999  # it does change the result
+        assert derived["output"] < scores["activation"]["output"] * 0.999  # it does change the result
+
+
+@torch.no_grad()
+def attention_output_errors(original, full_rank, mla, calib) -> list[float]:
+    """Per layer, sum over the calibration tokens of ||attn_mla(x) - attn_full_rank(x)||^2 (W_o included),
+    x the original model's attention inputs, each layer run through the models' own modules."""
+    errors = []
+    for i, layer in enumerate(original.model.layers):
+        total = 0.0
+        for ids in calib:
+            hidden = original(ids, output_hidden_states=True).hidden_states[i]
+            x = layer.input_layernorm(hidden)
+            rotary = full_rank.model.rotary_emb(x, torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1))
+            t = ids.shape[1]
+            causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+            outs = [m.model.layers[i].self_attn(x, rotary, attention_mask=causal)[0] for m in (mla, full_rank)]
+            total += ((outs[0] - outs[1]).double() ** 2).sum().item()
+        errors.append(total)
+    return errors
+
+
+@pytest.mark.parametrize("rope, svd", [("uniform", "joint"), ("rorope", "joint"), ("rorope", "split")])
+def test_output_init_is_never_worse_than_activation_or_bkv_on_the_attention_output(rope, svd):
+    model = tiny_causal_lm("qwen2", layers=2)
+    calib = calibration_tokens()
+    full_rank = convert_to_mla(model, rope=rope, r=2, svd="none", calibration=calib)
+    for d_kv in (2, 6):
+        errors = {init: attention_output_errors(model, full_rank, convert_to_mla(
+            model, rope=rope, r=2, svd=svd, d_kv=d_kv, init=init, calibration=calib), calib)
+            for init in ("activation", "bkv", "output")}
+        for layer, error in enumerate(errors["output"]):
+            for other in ("activation", "bkv"):
+                assert error <= errors[other][layer] * (1 + 1e-5), (d_kv, layer, other, errors)
 
 
 @torch.no_grad()
@@ -161,8 +205,9 @@ def test_global_allocation_keeps_the_total_and_lowers_the_objective(tmp_path, to
             layer.self_attn.v_proj.weight.mul_(0.3 * (i + 1))
     calib = calibration_tokens()
     full_rank = convert_to_mla(model, rope="high", r=2, svd="none")
-    uniform = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init="output", calibration=calib)
-    spread = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init="output", allocation="global",
+    init = "test-output-derived"  # each layer optimal for the objective the allocation sums
+    uniform = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init=init, calibration=calib)
+    spread = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init=init, allocation="global",
                             calibration=calib)
     widths = [layer.self_attn.latent_dim for layer in spread.model.layers]
     assert sum(widths) == 4 * 2 * 6 and len(set(widths)) > 1 and spread.config.latent_dims == widths

@@ -83,5 +83,5 @@ def test_registry_rules():
     assert "Helper" not in ROPE_STRATEGIES and "" not in ROPE_STRATEGIES
     shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     assert MLASpec.create(shape, rope="2-norm", r=2, svd="joint", d_kv=4, init="output").statistics == (
-        "pair_norms", "input_gram", "query_moments", "value_spread")
+        "pair_norms", "input_gram", "query_moments", "value_spread", "attention_inputs")
     assert not MLASpec.create(shape, rope="high", r=2, svd="none").needs_calibration

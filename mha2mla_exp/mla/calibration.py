@@ -238,6 +238,36 @@ class RotationDistance(Statistic):
         return (self.total / n_tokens).float()
 
 
+class AttentionInputs(Statistic):
+    """The attention layers' inputs (the normed hidden states) for the first calibration batches, up to
+    `max_tokens` tokens, with each batch's cos/sin: what a converted layer is measured on against the
+    full-rank one. (per layer: a list of [B, T, d] batches; the list of (cos, sin) batches)"""
+
+    name = "attention_inputs"
+    max_tokens = 8192
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.inputs = [[] for _ in range(shape.num_layers)]
+        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attach(self, layers):
+        def hook(i):
+            def fn(attn, args, kwargs):
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                if sum(b.shape[0] * b.shape[1] for b in self.inputs[i]) >= self.max_tokens:
+                    return
+                self.inputs[i].append(x.detach().float().cpu())
+                if i == 0:
+                    self.rotary.append(tuple(c.detach().float().cpu() for c in kwargs["position_embeddings"]))
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return self.inputs, self.rotary
+
+
 class Calibration:
     """The calibration batches of one conversion and the statistics read from them (each collected once)."""
 

@@ -42,5 +42,11 @@ class MLAConfig(LlamaConfig):
     def svd(self) -> str:
         return self.mla["svd"]
 
+    def conversion_facts(self) -> dict:
+        """What the conversion decided beyond its spec: the RoPE layout, per-layer latent widths (None: all
+        n_kv*d_kv) and, for inits that measure candidates, which one each layer kept."""
+        return {"rope_layout": self.rope_layout, "latent_dims": self.latent_dims,
+                "init_choices": (self.mla or {}).get("init_choices")}
+
 
 MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -14,8 +14,8 @@ from .calibration import Calibration
 from .configuration import MLAConfig
 from .layouts import KeySplit
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
-from .lowrank_init import LOWRANK_INITS, LayerProblem
-from .modeling import MLAForCausalLM
+from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
+from .modeling import MLAAttention, MLAForCausalLM
 from .rope import ROPE_STRATEGIES
 from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, max_d_kv
 
@@ -94,8 +94,10 @@ def convert_to_mla(
     if spec.svd != "none":
         problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
                     for i, (split, attn) in enumerate(zip(splits, layers))]
-        latents = low_rank_latents(problems, spec, calib)
-    config = build_mla_config(model, spec, splits, latents)
+        latents = low_rank_latents(model, problems, spec, calib)
+    config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
+    if latents and any(x.choice for x in latents):
+        config.mla["init_choices"] = [x.choice for x in latents]
     state = {
         name: tensor.detach().clone()
         for name, tensor in model.state_dict().items()
@@ -120,7 +122,7 @@ def convert_to_mla(
     return mla
 
 
-def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], latents=None) -> MLAConfig:
+def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int] | None = None) -> MLAConfig:
     src = model.config
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
     attn = model.model.layers[0].self_attn
@@ -128,7 +130,6 @@ def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], la
         "source_model_type": src.model_type,
         "source_name_or_path": getattr(src, "_name_or_path", ""),
     }
-    widths = None if latents is None else [latent.width for latent in latents]
     config = MLAConfig(
         **fields,
         mlp_bias=getattr(src, "mlp_bias", False),
@@ -153,40 +154,91 @@ class Latent:
     down: torch.Tensor
     k_up: torch.Tensor
     v_up: torch.Tensor
+    choice: str = ""  # the init's candidate it came from, when the init offered several
 
     @property
     def width(self) -> int:
         return self.down.shape[0]
 
 
-def low_rank_latents(problems: list[LayerProblem], spec: MLASpec, calib: Calibration) -> list[Latent]:
-    """Every layer's factors under the spec's init (its weighting) and allocation. The factorised rows are
-    the compact NoPE keys and the values; `nope_embed` maps the key factor back to the keys heads meet."""
+def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASpec, calib: Calibration) -> list[Latent]:
+    """Every layer's factors under the spec's init and allocation. The factorised rows are the compact NoPE
+    keys and the values; `nope_embed` maps the key factor back to the keys heads meet. 'global' allocation
+    sizes the layers by the energies of the init's own weighting; an init offering several weightings then
+    gets, per layer, the one whose truncation is measured closest to the full-rank layer (`LayerMeter`)."""
     init = LOWRANK_INITS.get(spec.init)
-    weightings = [init.weighting(p, calib) for p in problems]
-    n_kv = problems[0].shape.num_kv_heads
-    if spec.svd == "split":
-        latents = []
-        for p, w in zip(problems, weightings):
-            k_down, k_up = low_rank_factors(p.split.nope_weight, n_kv * spec.d_kv // 2, spec.sigma, w.inputs, w.k)
-            v_down, v_up = low_rank_factors(p.v_weight, n_kv * spec.d_kv // 2, spec.sigma, w.inputs, w.v)
-            latents.append(Latent(torch.cat([k_down, v_down]), _embed(p.split, k_up), v_up))
-        return latents
-    svds = []
-    for p, w in zip(problems, weightings):
-        left = None if w.k is None and w.v is None else torch.block_diag(
-            _or_eye(w.k, len(p.split.nope_weight)), _or_eye(w.v, len(p.v_weight)))
-        svds.append(weighted_svd(torch.cat([p.split.nope_weight, p.v_weight]), left, w.inputs))
-    widths = [n_kv * spec.d_kv] * len(problems)
+    shape = problems[0].shape
+    widths = [shape.num_kv_heads * spec.d_kv] * len(problems)
     if spec.allocation == "global":
-        caps = [n_kv * max_d_kv(p.shape, spec.r, "joint") for p in problems]
-        widths = allocate_ranks([s.energy for s in svds], sum(widths), caps)
+        energies = [_joint_svd(p, init.weighting(p, calib)).energy for p in problems]
+        caps = [shape.num_kv_heads * max_d_kv(shape, spec.r, "joint")] * len(problems)
+        widths = allocate_ranks(energies, sum(widths), caps)
+    meter = None
     latents = []
-    for p, svd, width in zip(problems, svds, widths):
-        down, up = svd.factors(width, spec.sigma)
-        m_k = len(p.split.nope_weight)
-        latents.append(Latent(down, _embed(p.split, up[:m_k]), up[m_k:]))
+    for p, width in zip(problems, widths):
+        options = init.weightings(p, calib)
+        candidates = [_latent(p, w, width, spec) for w in options]
+        if len(candidates) > 1:
+            meter = meter or LayerMeter(model, spec, [q.split for q in problems], widths, calib)
+            errors = [meter.error(p.layer, c) for c in candidates]
+            best = errors.index(min(errors))
+            candidates = [replace(candidates[best], choice=options[best].label)]
+        latents.append(candidates[0])
     return latents
+
+
+def _joint_svd(p: LayerProblem, w: Weighting):
+    left = None if w.k is None and w.v is None else torch.block_diag(
+        _or_eye(w.k, len(p.split.nope_weight)), _or_eye(w.v, len(p.v_weight)))
+    return weighted_svd(torch.cat([p.split.nope_weight, p.v_weight]), left, w.inputs)
+
+
+def _latent(p: LayerProblem, w: Weighting, width: int, spec: MLASpec) -> Latent:
+    """One layer's truncation to a latent of `width` under weighting `w` (joint, or split in halves)."""
+    if spec.svd == "split":
+        k_down, k_up = low_rank_factors(p.split.nope_weight, width // 2, spec.sigma, w.inputs, w.k)
+        v_down, v_up = low_rank_factors(p.v_weight, width // 2, spec.sigma, w.inputs, w.v)
+        return Latent(torch.cat([k_down, v_down]), _embed(p.split, k_up), v_up)
+    down, up = _joint_svd(p, w).factors(width, spec.sigma)
+    m_k = len(p.split.nope_weight)
+    return Latent(down, _embed(p.split, up[:m_k]), up[m_k:])
+
+
+class LayerMeter:
+    """The squared distance, summed over the calibration sample (`attention_inputs`), between a converted
+    layer's attention output (W_o included) and the full-rank (partial-RoPE only) layer's: how an init's
+    candidate truncations are compared. Each layer is run as an MLAAttention of its own."""
+
+    def __init__(self, model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int], calib: Calibration):
+        self.inputs, self.rotary = calib.get("attention_inputs")
+        self.sources = [layer.self_attn for layer in model.model.layers]
+        self.splits = splits
+        self.full = replace(spec, svd="none", d_kv=None, init="weight", allocation="uniform")
+        self.spec = spec
+        self.configs = {self.full: build_mla_config(model, self.full, splits),
+                        spec: build_mla_config(model, spec, splits, widths)}
+        self.references: dict[int, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def _outputs(self, layer: int, spec: MLASpec, latent: Latent | None) -> list[torch.Tensor]:
+        source = self.sources[layer]
+        device = source.q_proj.weight.device
+        attn = MLAAttention(self.configs[spec], layer).to(device=device, dtype=source.q_proj.weight.dtype)
+        attn.load_state_dict(attention_weights(source, self.splits[layer], spec, latent))
+        attn.reset_buffers(device)
+        outputs = []
+        for x, (cos, sin) in zip(self.inputs[layer], self.rotary):
+            t = x.shape[1]
+            causal = torch.full((t, t), float("-inf"), device=device).triu(1)[None, None]
+            x = x.to(device=device, dtype=attn.q_proj.weight.dtype)
+            outputs.append(attn(x, (cos.to(device), sin.to(device)), attention_mask=causal)[0].double())
+        return outputs
+
+    def error(self, layer: int, latent: Latent) -> float:
+        if layer not in self.references:
+            self.references[layer] = self._outputs(layer, self.full, None)
+        pairs = zip(self._outputs(layer, self.spec, latent), self.references[layer])
+        return sum(((a - b) ** 2).sum().item() for a, b in pairs)
 
 
 def _or_eye(matrix: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -28,7 +28,8 @@ PER_HEAD, SHARED = "per_head", "shared"
 
 @dataclass
 class KeySplit:
-    """One layer's query and key weights arranged for MLA (float32/64 copies, never the source's tensors).
+    """One layer's query and key weights arranged for MLA (they may alias the source's tensors; the
+    conversion copies what it keeps).
 
     `nope_weight` [m, d] (+ `nope_bias`) are the compact NoPE key coordinates that the low-rank step
     factorises (m = n_kv*(d_h-2r), their rank); the NoPE keys the heads meet are `nope_embed @ compact`

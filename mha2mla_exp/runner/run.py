@@ -281,6 +281,7 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
     record["model"]["params"] = stages.count_parameters(model)
     if plan.spec is not None:
         record["rope_pairs"] = model.config.rope_pairs
+        record["conversion"] = model.config.conversion_facts()
 
 
 def _evaluate(cfg, plan, model, tokenizer, data, record) -> None:

@@ -14,6 +14,8 @@ rank. To add one, write a class in a new file of this package (and a line in `co
 
         def weighting(self, problem, calibration):
             return Weighting(inputs=calibration.get("input_gram")[problem.layer])
+
+An init may offer several candidates (`weightings`); the conversion then measures them (see `output.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Weighting:
     k: torch.Tensor | None = None       # [m_k, m_k] on the compact NoPE key rows
     v: torch.Tensor | None = None       # [n_kv*d_h, n_kv*d_h] on the value rows
     inputs: torch.Tensor | None = None  # [d, d]
+    label: str = ""                     # names a candidate in the converted config (`mla.init_choices`)
 
 
 class LowRankInit:
@@ -60,3 +63,8 @@ class LowRankInit:
 
     def weighting(self, problem: LayerProblem, calibration) -> Weighting:
         raise NotImplementedError
+
+    def weightings(self, problem: LayerProblem, calibration) -> list[Weighting]:
+        """Candidate weightings; with more than one, the conversion keeps, per layer, the truncation whose
+        attention output is closest to the full-rank layer's on the calibration sample (`attention_inputs`)."""
+        return [self.weighting(problem, calibration)]
