@@ -133,7 +133,7 @@ def _execute(cfg, plan, run_dir, device, record, metrics, tracker, fail_at_step)
 
     t = time.perf_counter()
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
-    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data)
+    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir)
     timings["eval_s"] = round(time.perf_counter() - t, 3)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -100,15 +101,18 @@ def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     return record
 
 
-def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data) -> dict:
-    """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables."""
+def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None) -> dict:
+    """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables;
+    their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE)."""
     from ..evaluation import run_evaluation
+    from ..evaluation.samples import SAMPLES_FILE
 
     started = time.perf_counter()
     model.eval()
     result = run_evaluation(
         model, tokenizer, OmegaConf.to_container(cfg.eval, resolve=True),
         held_out=data.held_out, kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
+        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE,
     )
     log.info("evaluation took %.1f s", time.perf_counter() - started)
     return result
