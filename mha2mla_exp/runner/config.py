@@ -79,6 +79,12 @@ def validate(cfg: DictConfig) -> RunPlan:
         if nbits not in KV_BACKENDS[backend]:
             raise ConfigError(f"kv_quant.nbits: {nbits} is not supported by {backend} ({KV_BACKENDS[backend]})")
         kv_quant = OmegaConf.to_container(cfg.kv_quant, resolve=True)
+        from ..evaluation.kv import KVQuant
+
+        try:  # the evaluation's own check (bits, grouping vs architecture), before any fine-tuning
+            KVQuant.from_cfg(kv_quant).check_model(converted=cfg.variant == "mla")
+        except ValueError as err:
+            raise ConfigError(f"kv_quant: {err}") from err
 
     fine_tune = bool(cfg.train.enabled) and cfg.variant != "original"
     if cfg.variant == "finetuned_full_attention" and not cfg.train.enabled:
@@ -141,7 +147,8 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
         svd += "-act" if s.init == "activation" else ""
         parts.append(svd)
     if plan.kv_quant:
-        parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}")
+        grouping = plan.kv_quant.get("grouping", "tokens")
+        parts.append(f"{plan.kv_quant['backend']}{plan.kv_quant['nbits']}" + ("" if grouping == "tokens" else f"-{grouping}"))
     if plan.spec is not None and cfg.distill.enabled:
         parts.append(f"distill{cfg.distill.sequences}x{cfg.distill.epochs}")
     if plan.fine_tune:
