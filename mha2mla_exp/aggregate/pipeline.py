@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from . import plots
 from .records import canonical_runs, load_runs, training_curves, variant_label
-from .render import write_table
+from .render import main_view, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 
 
@@ -65,6 +65,14 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
+TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
+
+
+def _our_tasks(table) -> list[str]:
+    """The per-task score columns of a long-context table (passkey@L)."""
+    return [c for c in table.columns if c.startswith("passkey@") and "_" not in c]
+
+
 PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "distill_token_passes", "convert_s", "distill_s",
                       "train_s", "kv_mem_change_pct", "heldout_ppl")
 
@@ -81,10 +89,22 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    tables = out_dir / "tables"
     for name, table in aggregate.tables.items():
         spec = TABLES[name]
-        note = spec.note if aggregate.n_ok else spec.note + " No run records were found: the *_ours columns are empty."
-        written += write_table(table, out_dir / "tables", name, spec.title, note)
+        note = spec.note + (" Ours in percentage points; ± and [ ] are 95% intervals (paired bootstrap over the "
+                            "same docs, or unpaired binomial where a run has no per-document results); "
+                            "'not resolved': the interval contains 0. Full numbers: " + name + ".csv."
+                            if aggregate.n_ok else " No run records were found: our columns are empty.")
+        tables.mkdir(parents=True, exist_ok=True)
+        table.to_csv(tables / f"{name}.csv", index=False)
+        written.append(tables / f"{name}.csv")
+        written += write_views(tables, name, {"": main_view(table, spec.by_precision, spec.with_kv_memory)},
+                               spec.title, note)
+        scores, deltas = task_views(table, TASK_COLUMNS.get(name) or _our_tasks(table), spec.suite == "commonsense")
+        written += write_views(tables, f"{name}_tasks", {"Scores, ours / paper": scores,
+                                                         "Δ vs baseline [95% CI]": deltas},
+                               spec.title + ", per task", note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
     view = perplexity_view(aggregate.runs)
