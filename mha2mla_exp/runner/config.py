@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..data.sources import check_data_config
 from ..mla.spec import MLASpec, ModelShape
-from ..models import check_model_config
+from ..models import check_model_config, folder_config, shape_of
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 KV_BACKENDS = {"hqq": (1, 2, 3, 4, 8), "quanto": (2, 4)}
@@ -46,20 +46,31 @@ def validate(cfg: DictConfig) -> RunPlan:
     the field. Nothing is loaded or downloaded here."""
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
+    _check_source("model", check_model_config, cfg.model)
+    # a local folder's config.json: its shape facts when the config gives none, or a saved conversion
+    saved = folder_config(cfg.model.id) if cfg.model.get("source") == "local" else None
     try:
-        s = cfg.model.shape
+        s = cfg.model.shape if cfg.model.get("shape") is not None or saved is None else shape_of(saved)
         shape = ModelShape(
-            num_layers=int(s.num_layers), hidden_size=int(s.hidden_size), num_heads=int(s.num_heads),
-            num_kv_heads=int(s.num_kv_heads), head_dim=int(s.head_dim),
+            num_layers=int(s["num_layers"]), hidden_size=int(s["hidden_size"]), num_heads=int(s["num_heads"]),
+            num_kv_heads=int(s["num_kv_heads"]), head_dim=int(s["head_dim"]),
         )
     except Exception as err:  # missing keys, None, wrong types
         raise ConfigError(f"model.shape: incomplete shape facts for model {cfg.model.get('name')!r}: {err}") from err
-    _check_source("model", check_model_config, cfg.model)
+    saved_mla = getattr(saved, "model_type", None) == "mha2mla"
+    if saved_mla and cfg.variant != "mla":
+        raise ConfigError(f"variant: {cfg.model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
+                          "(its rope/svd settings are read from its config.json, not converted again)")
     _check_source("data", check_data_config, cfg.data)
     _check_eval(cfg.eval)
 
     spec = None
-    if cfg.variant == "mla":
+    if saved_mla:
+        mla = saved.mla
+        spec = MLASpec.create(shape, rope=mla["rope"], r=mla["r"], svd=mla["svd"], d_kv=mla.get("d_kv"),
+                              score=mla.get("score", "product"), sigma=mla.get("sigma", "up"),
+                              init=mla.get("init", "weight"))
+    elif cfg.variant == "mla":
         r = cfg.rope.r
         if r is None and cfg.rope.strategy not in ("full", "none"):
             r = shape.head_dim // 16  # the paper's default

@@ -51,8 +51,9 @@ def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tens
 
 
 def convert(plan: RunPlan, model, calibration):
-    """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows."""
-    if plan.spec is None:
+    """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows and for a
+    saved MLA folder (already converted)."""
+    if plan.spec is None or getattr(model.config, "model_type", None) == "mha2mla":
         return model
     s = plan.spec
     return convert_to_mla(model, rope=s.rope, r=s.r, svd=s.svd, d_kv=s.d_kv, score=s.score, sigma=s.sigma,
