@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
-from mha2mla_exp.aggregate import plots
+from mha2mla_exp.aggregate import comparisons, plots
 from mha2mla_exp.aggregate.__main__ import main
 from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
 from mha2mla_exp.aggregate.paired import Z95
@@ -478,3 +478,59 @@ def test_non_default_options_are_a_row_of_their_own(tmp_path):
     assert rows["avg"].tolist() == [41.0, 42.0] and rows["avg_paper"].tolist() == [41.84, 41.84]
     assert sorted(agg.runs["label"]) == ["smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
                                          "smollm2-135m: MLA 2-norm r=4 joint d_kv=16 (score=sum)"]
+
+
+# ---------------------------------------------------------------- comparisons: pairwise, dtype check
+def _commonsense_rows(answers: dict[str, list[int]], gold: int = 0) -> list[dict]:
+    """Per-doc rows: `answers[column]` the scored choice per doc (correct when equal to `gold`)."""
+    rows = []
+    for column, chosen in answers.items():
+        metric = "acc" if column == "winogrande" else "acc_norm"
+        for i, choice in enumerate(chosen):
+            rows.append({"suite": "commonsense", "column": column, "task": column, "doc_id": i, "doc_hash": f"{column}{i}",
+                         "gold": gold, "pred": choice, "pred_norm": choice, metric: float(choice == gold)})
+    return rows
+
+
+def _scores_of(answers):
+    scores = {c: sum(v == 0 for v in a) / len(a) for c, a in answers.items()}
+    scores["arc"] = (scores["arc_easy"] + scores["arc_challenge"]) / 2
+    scores["avg"] = sum(scores[c] for c in ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")) / 6
+    return scores
+
+
+def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
+    columns = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+    fp32 = {c: [i % 3 for i in range(30)] for c in columns}
+    bf16 = {c: list(v) for c, v in fp32.items()}
+    bf16["piqa"][:3] = [1, 0, 0]          # docs 1 and 2 flip to correct, doc 0 to wrong: 3 of 210 answers differ
+    for dtype, answers in (("float32", fp32), ("bfloat16", bf16)):
+        record = _record("original", 0, n=30)
+        record["eval"]["commonsense"].update(_scores_of(answers))
+        record["eval"]["meta"]["dtype"] = dtype
+        _write(tmp_path, dtype, record, rows=_commonsense_rows(answers))
+    agg = build_aggregate([tmp_path])
+    check = comparisons.dtype_check(agg.runs).iloc[0]
+    assert (check["dtype"], check["same answers"], check["docs"]) == ("BF16", 207, 210)
+    assert check["piqa same %"] == pytest.approx(100 * 27 / 30) and check["mmlu same %"] == 100.0
+    assert check["avg_delta"] == pytest.approx(100 * (1 / 30) / 6, abs=1e-4)     # one more correct PIQA doc
+    # two dtypes are two rows of Table 1, never merged
+    assert sorted(agg.tables["table1"].query("n_seeds > 0")["eval_dtype"]) == ["BF16", "FP32"]
+
+
+def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
+    columns = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+    answers = {"original": {c: [0] * 20 for c in columns},
+               "finetuned_full_attention": {c: [0] * 18 + [1, 1] for c in columns},
+               "mla": {c: [0] * 10 + [1] * 10 for c in columns}}
+    for method, a in answers.items():
+        record = _record(method, 0 if method == "original" else 32768, n=20) | {"experiment": "headline"}
+        record["eval"]["commonsense"].update(_scores_of(a))
+        _write(tmp_path, method, record, rows=_commonsense_rows(a))
+    pairs = comparisons.pairwise(build_aggregate([tmp_path]).runs, "headline").set_index(["B", "A"])
+    assert len(pairs) == 3
+    mla_vs_ft = pairs.loc[("2-norm r=4, joint SVD d_kv=16 @ 32,768 tokens", "FT full attention @ 32,768 tokens")]
+    assert mla_vs_ft["avg_delta"] == pytest.approx(-40.0) and mla_vs_ft["verdict"] == "B lower"
+    assert mla_vs_ft["ci"] == "paired bootstrap" and mla_vs_ft["avg_delta_high"] < 0
+    ft_vs_original = pairs.loc[("FT full attention @ 32,768 tokens", "original")]
+    assert ft_vs_original["avg_delta"] == pytest.approx(-10.0)

@@ -192,3 +192,24 @@ def unpaired_difference(a: float, se_a: float, b: float, se_b: float) -> Interva
     """a - b with the normal 95% interval of two independent estimates."""
     se = math.hypot(se_a, se_b)
     return Interval(a - b, a - b - Z95 * se, a - b + Z95 * se, "unpaired binomial")
+
+
+def scored_answers(frame: pd.DataFrame, spec: ScoreSpec) -> pd.Series:
+    """The choice each document's metric scores (argmax of length-normalised ll for acc_norm, of ll for acc),
+    indexed like `doc_values`."""
+    rows = frame[frame["column"].isin(list(spec.metric))]
+    norm = rows["column"].map(spec.metric) == "acc_norm"
+    answer = rows["pred_norm"].where(norm, rows["pred"])
+    return pd.Series(answer.to_numpy(), index=pd.MultiIndex.from_frame(rows[["column", "task", "doc_id"]]))
+
+
+def answer_agreement(a: pd.DataFrame, b: pd.DataFrame, spec: ScoreSpec) -> dict[str, tuple[int, int]]:
+    """Per column and overall (`all`): (documents with the same scored answer, documents), two runs on the
+    same documents."""
+    x, y = scored_answers(a, spec), scored_answers(b, spec)
+    if not x.index.sort_values().equals(y.index.sort_values()):
+        raise ValueError("answer_agreement: the two runs were evaluated on different documents")
+    same = (x == y.reindex(x.index))
+    out = {c: (int(g.sum()), int(len(g))) for c, g in same.groupby(level="column")}
+    out["all"] = (int(same.sum()), int(len(same)))
+    return out

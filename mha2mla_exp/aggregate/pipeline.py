@@ -10,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from . import plots
+from . import comparisons, plots
 from .records import canonical_runs, load_runs, training_curves, variant_label
-from .render import main_view, task_views, write_table, write_views
-from .tables import TABLES, build_tables
+from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
+from .tables import COMMONSENSE_TASKS, TABLES, build_tables
 
 
 def results_root() -> Path:
@@ -65,6 +65,7 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
+PAIRWISE_EXPERIMENTS = ("headline",)   # experiments whose every pair of rows gets a table (REPORT.md cites them)
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
 
 
@@ -107,6 +108,25 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                spec.title + ", per task", note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
+    for experiment in PAIRWISE_EXPERIMENTS:
+        pairs = comparisons.pairwise(aggregate.runs, experiment)
+        if len(pairs):
+            pairs.to_csv(tables / f"{experiment}.csv", index=False)
+            written += [tables / f"{experiment}.csv"] + write_views(
+                tables, experiment, pairwise_views(pairs, list(COMMONSENSE_TASKS)),
+                f"Experiment {experiment}: every pair of its rows on the same docs",
+                "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
+                "(resampled within each task); 'not resolved': the interval contains 0.")
+    check = comparisons.dtype_check(aggregate.runs)
+    if len(check):
+        check.to_csv(tables / "dtype_check.csv", index=False)
+        written += [tables / "dtype_check.csv"] + write_views(
+            tables, "dtype_check", {"": dtype_view(check, ["mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag",
+                                                             "openbookqa", "winogrande"])},
+            "The same model on the same docs, evaluated in two dtypes",
+            "same answers: documents whose scored choice (argmax of length-normalised log-likelihood; Winogrande: "
+            "of log-likelihood) is the same in both dtypes, per task in %; Δ: the other dtype's Avg minus FP32's, "
+            "paired bootstrap 95% interval.")
     view = perplexity_view(aggregate.runs)
     written += write_table(view, out_dir / "tables", "perplexity",
                            "Held-out perplexity and the compute behind it, every ok run",

@@ -209,3 +209,31 @@ def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", 
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / f"{name}.csv", index=False)
     return [out_dir / f"{name}.csv"] + write_views(out_dir, name, {"": table}, title, note)
+
+
+def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFrame]:
+    """The headline comparison: each pair's Avg difference with its interval, then per task."""
+    main, per_task = [], []
+    for row in pairs.to_dict("records"):
+        head = {"B": row["B"], "A": row["A"], "eval docs": row["eval docs"]}
+        main.append(head | {"Avg B": _avg(row), "Avg A": _num(row["A avg"]),
+                            "Δ B − A [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"]),
+                            "CI": {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}.get(row.get("ci"), ""),
+                            "verdict": row.get("verdict") or ""})
+        per_task.append({"B": row["B"], "A": row["A"]} | {
+            TASK_NAMES.get(t, t): _interval(row.get(f"{t}_delta"), row.get(f"{t}_delta_low"), row.get(f"{t}_delta_high"))
+            for t in tasks})
+    return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
+
+
+def dtype_view(check: pd.DataFrame, tasks: list[str]) -> pd.DataFrame:
+    """Per model: the share of documents whose scored answer is the same in both dtypes, and the scores."""
+    out = []
+    for row in check.to_dict("records"):
+        line = {"model": row["model"], "eval docs": row["eval docs"], "dtype vs FP32": row["dtype"],
+                "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)"}
+        line |= {TASK_NAMES.get(t, t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
+        line |= {"Avg FP32": _num(row["avg FP32"]), "Avg": _num(row["avg"]),
+                 "Δ [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"])}
+        out.append(line)
+    return pd.DataFrame(out)

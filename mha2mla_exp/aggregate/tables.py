@@ -169,7 +169,7 @@ class Row:
         return [r.get("seed") for r in self.runs]
 
 
-def _rows_of_ours(spec: TableSpec, ours: pd.DataFrame, score_spec: paired.ScoreSpec) -> list[Row]:
+def rows_of_ours(spec: TableSpec, ours: pd.DataFrame, score_spec: paired.ScoreSpec) -> list[Row]:
     sample = ours[f"eval_sample_{spec.suite}"]
     for extra in spec.extras:   # a row scored only on an extra (LongBench) is keyed by that suite's docs
         sample = sample.fillna(ours[f"eval_sample_{extra.split('.')[0]}"])
@@ -231,7 +231,7 @@ def _describe_baseline(key: dict) -> str:
     return f"{name} @ {int(key['train_tokens']):,}" if key["train_tokens"] else name
 
 
-def _delta(row: Row, base: Row, score_spec: paired.ScoreSpec) -> dict[str, paired.Interval]:
+def delta(row: Row, base: Row, score_spec: paired.ScoreSpec) -> dict[str, paired.Interval]:
     """Row minus baseline, every reported column, in points: paired when both have per-document results on
     the same docs, unpaired binomial when neither or one has them; empty when their docs differ."""
     if row.values is not None and base.values is not None:
@@ -303,7 +303,7 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
         ours = ours[ours["distill_token_passes"].isna()]
     ours = ours[spec.select(ours)] if len(ours) else ours
     score_spec = _score_spec(spec, runs if len(runs) else pd.DataFrame())
-    rows = _rows_of_ours(spec, ours, score_spec) if len(ours) and score_spec.metric else []
+    rows = rows_of_ours(spec, ours, score_spec) if len(ours) and score_spec.metric else []
     by_key = {_key(r.key, ROW_KEYS): r for r in rows}
 
     paper = paper[spec.select(paper)].copy() if len(paper) else paper
@@ -316,30 +316,15 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     for row in rows:
         base_key = _baseline_key(row.key, spec)
         base = None if base_key is None else by_key.get(_key(base_key, ROW_KEYS))
-        delta = _delta(row, base, score_spec) if base is not None else {}
-        first = row.runs[0]
+        diff = delta(row, base, score_spec) if base is not None else {}
         pkey = _paper_key(row.key)
         matched.add(pkey)
-        record = _identity(row.key, first) | _paper_cells(paper_by_key.get(pkey), spec)
-        avg = row.intervals.get("avg")
-        seed_sd = [float(r[spec.score]) for r in row.runs if not pd.isna(r.get(spec.score))]
-        record |= {
-            "n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds),
-            "per_doc": row.values is not None,
-            "vs": None if base_key is None else _describe_baseline(base_key),
-            "ci": delta["avg"].kind if "avg" in delta and delta["avg"].kind != "none" else None,
-            "avg": row.scores.get("avg"), "avg_low": avg.low if avg else None, "avg_high": avg.high if avg else None,
-            "avg_seed_sd": float(np.std(seed_sd, ddof=1)) if len(seed_sd) > 1 else None,
-            "avg_delta": delta["avg"].estimate if "avg" in delta else None,
-            "avg_delta_low": delta["avg"].low if "avg" in delta else None,
-            "avg_delta_high": delta["avg"].high if "avg" in delta else None,
-            "verdict": _verdict(row, base_key, base, delta),
-            "kv_mem_change_pct": first.get("kv_mem_change_pct"),
-        } | {column: row.scores.get(column) for column in spec.extras.values()}
-        for task in _task_columns(spec, score_spec):
-            record[task] = row.scores.get(task)
-            for part, attr in (("delta", "estimate"), ("delta_low", "low"), ("delta_high", "high")):
-                record[f"{task}_{part}"] = getattr(delta[task], attr) if task in delta else None
+        record = _identity(row.key, row.runs[0]) | _paper_cells(paper_by_key.get(pkey), spec)
+        record |= row_cells(row, diff, spec.score, _task_columns(spec, score_spec))
+        record |= {"vs": None if base_key is None else _describe_baseline(base_key),
+                   "verdict": _verdict(row, base_key, base, diff),
+                   "kv_mem_change_pct": row.runs[0].get("kv_mem_change_pct")}
+        record |= {column: row.scores.get(column) for column in spec.extras.values()}
         records.append(record)
     for key, paper_row in paper_by_key.items():   # the paper's rows we have no run for
         if key not in matched:
@@ -350,6 +335,24 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     floats = table.select_dtypes("float").columns
     table[floats] = table[floats].round(4)   # points: 1e-4 is far below any interval; no float noise in the CSV
     return table
+
+
+def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> dict:
+    """A row's numbers: seeds, its Avg with interval and seed spread, the difference to its baseline with its
+    interval, and per task the score and the difference (points)."""
+    avg = row.intervals.get("avg")
+    seed_scores = [float(r[score]) for r in row.runs if not pd.isna(r.get(score))]
+    cells = {"n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds), "per_doc": row.values is not None,
+             "ci": diff["avg"].kind if "avg" in diff and diff["avg"].kind != "none" else None,
+             "avg": row.scores.get("avg"), "avg_low": avg.low if avg else None, "avg_high": avg.high if avg else None,
+             "avg_seed_sd": float(np.std(seed_scores, ddof=1)) if len(seed_scores) > 1 else None}
+    for name, prefix in [("avg", "avg_delta")] + [(t, f"{t}_delta") for t in tasks]:
+        if name != "avg":
+            cells[name] = row.scores.get(name)
+        interval = diff.get(name)
+        cells |= {prefix: interval.estimate if interval else None, f"{prefix}_low": interval.low if interval else None,
+                  f"{prefix}_high": interval.high if interval else None}
+    return cells
 
 
 def _task_columns(spec: TableSpec, score_spec: paired.ScoreSpec) -> list[str]:
