@@ -26,7 +26,7 @@ def _ok(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _label(row) -> str:
     key = row.key
-    return f"{row_label(key)} @ {int(key['train_tokens']):,} tokens" if key["train_tokens"] else row_label(key)
+    return row_label(key) if key["method"] == "original" else f"{row_label(key)} @ {int(key['train_tokens'] or 0):,} tokens"
 
 
 def pairwise(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:

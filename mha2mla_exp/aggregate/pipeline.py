@@ -65,7 +65,7 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
-PAIRWISE_EXPERIMENTS = ("headline",)   # experiments whose every pair of rows gets a table (REPORT.md cites them)
+PAIRWISE_EXPERIMENTS = ("headline", "recovery")   # every pair of their rows gets a table (REPORT.md cites them)
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
 
 

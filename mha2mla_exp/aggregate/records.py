@@ -32,8 +32,8 @@ PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Ll
 
 # A table row is a (configuration, budget, evaluation sample) triple: runs that agree on all of these and
 # differ only in their seed are one row (mean and spread over seeds); anything else is a row of its own.
-CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "kv_quant", "kv_grouping",
-               "data")
+CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "distill_token_passes",
+               "kv_quant", "kv_grouping", "data")
 BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS

@@ -44,6 +44,8 @@ def row_label(row) -> str:
         text = f"{row.get('rope')} r={_int(row.get('r'))}, {row.get('svd')} SVD d_kv={_int(row.get('d_kv'))}"
     if isinstance(row.get("options"), str):
         text += f" ({row['options']})"
+    if not _missing(row.get("distill_token_passes")):
+        text += " + layer-wise distillation"
     return text
 
 

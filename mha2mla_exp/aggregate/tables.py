@@ -213,7 +213,7 @@ def _points(interval: paired.Interval) -> paired.Interval:
 
 def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
-    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None,
+    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None, "distill_token_passes": None,
                 "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0}
     if spec.by_precision:
         if key["method"] == "original" and key["kv_quant"] == UNQUANTIZED:
