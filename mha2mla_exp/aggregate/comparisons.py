@@ -13,11 +13,11 @@ import itertools
 import pandas as pd
 
 from . import paired
-from .records import METHODS, ROW_KEYS
+from .records import COMMONSENSE, METHODS, ROW_KEYS
 from .render import eval_docs_label, row_label
-from .tables import COMMONSENSE_TASKS, TableSpec, _key, _samples, delta, row_cells, rows_of_ours
+from .tables import TableSpec, _key, _samples, delta, row_cells, rows_of_ours
 
-_ALL = TableSpec("all", "", "commonsense", lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE_TASKS)
+_ALL = TableSpec("all", "", "commonsense", lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
 
 
 def _ok(runs: pd.DataFrame) -> pd.DataFrame:
@@ -43,7 +43,7 @@ def pairwise(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
         if (a.key["eval_sample"], a.key["eval_dtype"]) != (b.key["eval_sample"], b.key["eval_dtype"]):
             continue  # never paired across doc samples
         diff = delta(b, a, spec)
-        cells = row_cells(b, diff, "avg", COMMONSENSE_TASKS)
+        cells = row_cells(b, diff, "avg", COMMONSENSE)
         records.append({"B": _label(b), "A": _label(a), "eval docs": eval_docs_label(b.runs[0]),
                         "A avg": a.scores["avg"]} | cells | {
             "verdict": _verdict(diff.get("avg"))})
@@ -82,7 +82,7 @@ def dtype_check(runs: pd.DataFrame) -> pd.DataFrame:
                 if column != "all":
                     record[f"{column} same %"] = 100 * same / n
             record |= {"avg FP32": reference.scores["avg"], "avg": other.scores["avg"]}
-            record |= {k: v for k, v in row_cells(other, diff, "avg", COMMONSENSE_TASKS).items()
+            record |= {k: v for k, v in row_cells(other, diff, "avg", COMMONSENSE).items()
                        if k.startswith("avg_delta")}
             records.append(record)
     return pd.DataFrame.from_records(records)

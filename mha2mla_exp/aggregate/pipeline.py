@@ -11,9 +11,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from . import comparisons, plots
-from .records import canonical_runs, load_runs, training_curves, variant_label
+from .records import COMMONSENSE, canonical_runs, load_runs, training_curves, variant_label
 from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
-from .tables import COMMONSENSE_TASKS, TABLES, build_tables
+from .tables import TABLES, build_tables
 
 
 def results_root() -> Path:
@@ -113,7 +113,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
         if len(pairs):
             pairs.to_csv(tables / f"{experiment}.csv", index=False)
             written += [tables / f"{experiment}.csv"] + write_views(
-                tables, experiment, pairwise_views(pairs, list(COMMONSENSE_TASKS)),
+                tables, experiment, pairwise_views(pairs, list(COMMONSENSE)),
                 f"Experiment {experiment}: every pair of its rows on the same docs",
                 "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
                 "(resampled within each task); 'not resolved': the interval contains 0.")

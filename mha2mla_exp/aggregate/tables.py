@@ -24,11 +24,10 @@ import numpy as np
 import pandas as pd
 
 from . import paired
-from .records import CONFIG_KEYS, LONGBENCH, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
+from .records import COMMONSENSE, LONGBENCH, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
 from .reference import paper_commonsense, paper_longbench
 
 UNCONVERTED = ("original", "finetuned_full_attention")
-COMMONSENSE_TASKS = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
 KV_QUANT_ORDER = (UNQUANTIZED, "Int4 HQQ", "Int4 Quanto", "Int2 HQQ", "Int2 Quanto")
 NOT_RESOLVED = "not resolved"
 
@@ -104,7 +103,7 @@ _BASELINE_NOTE = ("Baseline (column vs): a converted model against the full-atte
 TABLES = {
     "table1": TableSpec(
         "table1", "Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv", "commonsense",
-        _select_table1, "avg", COMMONSENSE_TASKS, with_kv_memory=True,
+        _select_table1, "avg", COMMONSENSE, with_kv_memory=True,
         note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + _BASELINE_NOTE),
     "table2": TableSpec(
         "table2", "Table 2: long context by KV-cache precision", "long_context", _select_table2, "longbench.avg",
@@ -116,10 +115,10 @@ TABLES = {
              "against a BF16 cache."),
     "table3": TableSpec(
         "table3", "Table 3: partial-RoPE strategies, without and with SVD (joint vs split)", "commonsense",
-        _select_table3, "avg", COMMONSENSE_TASKS,
+        _select_table3, "avg", COMMONSENSE,
         note="r = d_h/16; SVD rows at d_kv = d_h/4. " + _BASELINE_NOTE),
     "table5": TableSpec(
-        "table5", "Table 5: partial-RoPE strategies by r", "commonsense", _select_table5, "avg", COMMONSENSE_TASKS,
+        "table5", "Table 5: partial-RoPE strategies by r", "commonsense", _select_table5, "avg", COMMONSENSE,
         note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + _BASELINE_NOTE),
 }
 
@@ -357,7 +356,7 @@ def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> 
 
 def _task_columns(spec: TableSpec, score_spec: paired.ScoreSpec) -> list[str]:
     if spec.suite == "commonsense":
-        return list(COMMONSENSE_TASKS)
+        return list(COMMONSENSE)
     return [c for c in score_spec.metric]
 
 
@@ -440,4 +439,4 @@ def build_tables(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
             for name, spec in TABLES.items()}
 
 
-__all__ = ["TABLES", "TableSpec", "build_table", "build_tables", "CONFIG_KEYS", "NOT_RESOLVED"]
+__all__ = ["TABLES", "TableSpec", "build_table", "build_tables", "NOT_RESOLVED"]
