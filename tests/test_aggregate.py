@@ -245,8 +245,14 @@ def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
     _write(tmp_path, "orig_hqq4", _passkey_record("original", ("hqq", 4), base, grouping="tokens"),
            rows=_passkey_rows(base))
     _write(tmp_path, "mla", _passkey_record("mla", correct=int2), rows=_passkey_rows(int2))
+    short = {512: [1, 0, 1, 1, 1, 1]}        # other lengths: a row of its own, its Avg over its own length
+    _write(tmp_path, "orig_short", _passkey_record("original", correct=short), rows=_passkey_rows(short))
     t2 = build_aggregate([tmp_path]).tables["table2"]
-    ours = t2[t2["n_seeds"] > 0]
+    ours = t2[(t2["n_seeds"] > 0) & t2["eval_sample"].str.startswith("lengths=[1024", na=False)]
+    other = row(t2, method="original", kv_quant="unquantized", eval_sample="lengths=[512] depths=[0.0, 0.5, 1.0] x2 "
+                                                                          "seed=1234")
+    assert other["avg"] == pytest.approx(100 * 5 / 6, abs=1e-3) and other["avg_low"] < other["avg"] < other["avg_high"]
+    assert pd.isna(other["passkey@1024"]) and other["verdict"] == "reference"
     hqq2 = row(ours, method="original", kv_quant="Int2 HQQ")
     # by hand: the mean over lengths of the per-length mean differences
     by_hand = 100 * ((sum(int2[1024]) - sum(base[1024])) / 6 + (sum(int2[2048]) - sum(base[2048])) / 6) / 2
@@ -257,7 +263,7 @@ def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
     assert same["verdict"] == "not resolved" and same["kv_grouping"] == "tokens"
     assert row(ours, method="partial_rope+svd")["vs"] == "original"
     assert row(ours, method="original", kv_quant="unquantized")["verdict"] == "reference"
-    assert ours["passkey@1024"].notna().all()
+    assert ours["passkey@1024"].notna().all() and len(ours) == 4
 
 
 # ---------------------------------------------------------------- runs, empty results, outputs

@@ -62,6 +62,7 @@ def commonsense_spec(columns: Sequence[str] | None = None) -> ScoreSpec:
 
 def mean_spec(columns: Sequence[str], metric: str = "acc") -> ScoreSpec:
     """An unweighted mean of columns (the long-context Avg: passkey at each length)."""
+    columns = list(columns)
     return ScoreSpec(metric={c: metric for c in columns}, weights={c: 1 / len(columns) for c in columns})
 
 

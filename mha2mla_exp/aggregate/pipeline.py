@@ -65,7 +65,8 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
-PAIRWISE_EXPERIMENTS = ("headline", "recovery")   # every pair of their rows gets a table (REPORT.md cites them)
+# experiment -> suite: every pair of their rows gets a table (REPORT.md cites them)
+PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "passkey_nope": "long_context"}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
 
 
@@ -108,12 +109,13 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                spec.title + ", per task", note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
-    for experiment in PAIRWISE_EXPERIMENTS:
-        pairs = comparisons.pairwise(aggregate.runs, experiment)
+    for experiment, suite in PAIRWISE_EXPERIMENTS.items():
+        pairs = comparisons.pairwise(aggregate.runs, experiment, suite)
         if len(pairs):
+            tasks = list(COMMONSENSE) if suite == "commonsense" else _our_tasks(pairs)
             pairs.to_csv(tables / f"{experiment}.csv", index=False)
             written += [tables / f"{experiment}.csv"] + write_views(
-                tables, experiment, pairwise_views(pairs, list(COMMONSENSE)),
+                tables, experiment, pairwise_views(pairs, tasks),
                 f"Experiment {experiment}: every pair of its rows on the same docs",
                 "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
                 "(resampled within each task); 'not resolved': the interval contains 0.")

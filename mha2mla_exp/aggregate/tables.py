@@ -125,7 +125,7 @@ TABLES = {
 
 # ---------------------------------------------------------------- rows of ours
 def _text(value) -> str:
-    return "" if value is None or (not isinstance(value, (list, dict, str)) and pd.isna(value)) else str(value)
+    return "" if _missing(value) else str(value)
 
 
 def _key(row: dict, columns) -> tuple:
@@ -139,12 +139,27 @@ def _samples(path: str) -> pd.DataFrame:
     return samples_frame(path)
 
 
+def _passkey_columns(columns) -> list[str]:
+    lengths = sorted({c for c in columns if c.startswith("long_context.passkey@")}, key=lambda c: int(c.rsplit("@", 1)[1]))
+    return [c.removeprefix("long_context.") for c in lengths]
+
+
 def _score_spec(spec: TableSpec, runs: pd.DataFrame) -> paired.ScoreSpec:
+    """The table's score columns (for the long-context suite: every length any run has)."""
     if spec.suite == "commonsense":
         return paired.commonsense_spec()
-    lengths = sorted({c for c in runs.columns if c.startswith("long_context.passkey@")},
-                     key=lambda c: int(c.rsplit("@", 1)[1]))
-    return paired.mean_spec([c.removeprefix("long_context.") for c in lengths])
+    return paired.mean_spec(_passkey_columns(runs.columns))
+
+
+def _row_spec(spec: TableSpec, record: dict) -> paired.ScoreSpec:
+    """One row's score: the long-context Avg is the mean over the lengths that row was evaluated at."""
+    if spec.suite == "commonsense":
+        return paired.commonsense_spec()
+    return paired.mean_spec(_passkey_columns(k for k, v in record.items() if not _missing(v)))
+
+
+def _missing(value) -> bool:
+    return value is None or (not isinstance(value, (list, dict, str)) and pd.isna(value))
 
 
 def _ours_column(spec: TableSpec, name: str) -> str:
@@ -162,13 +177,16 @@ class Row:
     intervals: dict[str, paired.Interval] = field(default_factory=dict)   # of the scores, points
     values: pd.DataFrame | None = None     # per-document values (seed means), fractions
     se: dict[str, float] = field(default_factory=dict)          # binomial, fractions
+    spec: paired.ScoreSpec | None = None   # how its per-document values make its scores
 
     @property
     def seeds(self) -> list:
         return [r.get("seed") for r in self.runs]
 
 
-def rows_of_ours(spec: TableSpec, ours: pd.DataFrame, score_spec: paired.ScoreSpec) -> list[Row]:
+def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
+    """Our runs as rows: one per (configuration, budget, eval sample), seeds counted once, with scores and
+    their intervals."""
     sample = ours[f"eval_sample_{spec.suite}"]
     for extra in spec.extras:   # a row scored only on an extra (LongBench) is keyed by that suite's docs
         sample = sample.fillna(ours[f"eval_sample_{extra.split('.')[0]}"])
@@ -186,8 +204,9 @@ def rows_of_ours(spec: TableSpec, ours: pd.DataFrame, score_spec: paired.ScoreSp
         if _text(record.get("seed")) in {_text(s) for s in row.seeds}:
             continue  # the same seed twice (e.g. the same run with a probe): one measurement, counted once
         row.runs.append(record)
-    columns = {name: _ours_column(spec, name) for name in score_spec.reported} | {v: k for k, v in spec.extras.items()}
     for row in rows.values():
+        score_spec = row.spec = _row_spec(spec, row.runs[0])
+        columns = {name: _ours_column(spec, name) for name in score_spec.reported} | {v: k for k, v in spec.extras.items()}
         for name, column in columns.items():
             values = [r.get(column) for r in row.runs]
             values = [float(v) for v in values if v is not None and not pd.isna(v)]
@@ -230,9 +249,12 @@ def _describe_baseline(key: dict) -> str:
     return f"{name} @ {int(key['train_tokens']):,}" if key["train_tokens"] else name
 
 
-def delta(row: Row, base: Row, score_spec: paired.ScoreSpec) -> dict[str, paired.Interval]:
+def delta(row: Row, base: Row) -> dict[str, paired.Interval]:
     """Row minus baseline, every reported column, in points: paired when both have per-document results on
     the same docs, unpaired binomial when neither or one has them; empty when their docs differ."""
+    score_spec = row.spec
+    if score_spec is None or score_spec != base.spec:
+        return {}
     if row.values is not None and base.values is not None:
         if not paired.same_documents(row.values, base.values):
             return {}
@@ -302,7 +324,7 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
         ours = ours[ours["distill_token_passes"].isna()]
     ours = ours[spec.select(ours)] if len(ours) else ours
     score_spec = _score_spec(spec, runs if len(runs) else pd.DataFrame())
-    rows = rows_of_ours(spec, ours, score_spec) if len(ours) and score_spec.metric else []
+    rows = rows_of_ours(spec, ours) if len(ours) else []
     by_key = {_key(r.key, ROW_KEYS): r for r in rows}
 
     paper = paper[spec.select(paper)].copy() if len(paper) else paper
@@ -315,7 +337,7 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     for row in rows:
         base_key = _baseline_key(row.key, spec)
         base = None if base_key is None else by_key.get(_key(base_key, ROW_KEYS))
-        diff = delta(row, base, score_spec) if base is not None else {}
+        diff = delta(row, base) if base is not None else {}
         pkey = _paper_key(row.key)
         matched.add(pkey)
         record = _identity(row.key, row.runs[0]) | _paper_cells(paper_by_key.get(pkey), spec)
