@@ -205,7 +205,10 @@ def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
         if not match:
             continue
         for _, run in ok[ok[column].notna()].iterrows():
-            rows.append({"label": variant_label(run), "run_dir": run["run_dir"], "task": match["task"],
+            docs = (run.get("eval_docs") or {}).get(f"{match['task']}@{match['length']}") \
+                if isinstance(run.get("eval_docs"), dict) else None
+            label = variant_label(run) + (f" ({docs} docs/length)" if docs else "")  # other doc samples: other lines
+            rows.append({"label": label, "run_dir": run["run_dir"], "task": match["task"],
                          "length": int(match["length"]), "score": float(run[column])})
     return pd.DataFrame(rows, columns=["label", "run_dir", "task", "length", "score"])
 
@@ -230,7 +233,7 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
     ax.set_ylabel("long-context score (%)")
     ax.set_title("Long-context score vs context length")
     if ax.lines:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small")
     else:
         _empty_note(ax, "no long-context results")
     ax.grid(alpha=0.3)

@@ -315,7 +315,7 @@ def variant_label(row) -> str:
     if not pd.isna(row.get("distill_token_passes", None)):
         text += " + layer-wise distillation"
     if row.get("kv_quant") not in (None, UNQUANTIZED):
-        text += f" {row['kv_quant']}"
+        text += f" {row['kv_quant']}" + (" (transformers' groups)" if row.get("kv_grouping") == "transformers" else "")
     return f"{row['ours_model']}: {text}"
 
 
