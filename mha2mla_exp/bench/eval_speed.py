@@ -23,8 +23,7 @@ import torch
 
 from ..evaluation.commonsense import COLUMNS, CommonsenseConfig, evaluate_commonsense
 from ..evaluation.lm import EvalLM
-from ..evaluation.run import DTYPES
-from ..models import load_model
+from ..models import DTYPES, load_model
 
 
 def lscpu() -> dict:

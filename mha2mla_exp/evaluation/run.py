@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..models import DTYPES
 from .commonsense import CommonsenseConfig
 from .kv import CacheMeter, KVQuant, kv_record
 from .long_context import LongContextConfig
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 SECTIONS = {"commonsense": CommonsenseConfig, "long_context": LongContextConfig, "longbench": LongBenchConfig}
 PERPLEXITY_KEYS = {"enabled", "batch_size", "max_batches"}
 TOP_KEYS = {"name", "dtype", "perplexity", *SECTIONS}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _section(name: str, raw) -> tuple[bool, object]:
