@@ -85,6 +85,7 @@ def write_samples(rows: list[dict], path: str | Path) -> Path:
                     f.write(json.dumps(row, ensure_ascii=False, allow_nan=True) + "\n")
             raw.flush()
             os.fsync(raw.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the record unreadable to other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
