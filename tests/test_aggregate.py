@@ -21,6 +21,7 @@ from mha2mla_exp.evaluation.samples import SAMPLES_FILE, write_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 OURS_135M = "smollm2-135m"
+PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored columns
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_runs_not_in_the_paper_get_their_own_row(tmp_path):
 # ---------------------------------------------------------------- rows: budgets, seeds, doc samples, intervals
 def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=50, status="ok", **extra):
     """A results.json in the runner's format with the commonsense block and its doc counts."""
-    columns = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+    columns = PARTS
     scores = {c: avg for c in columns} | {"arc": avg, "avg": avg, "limit": limit}
     mla = None if method != "mla" else {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": d_kv}
     return {
@@ -506,7 +507,7 @@ def _scores_of(answers):
 
 
 def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
-    columns = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+    columns = PARTS
     fp32 = {c: [i % 3 for i in range(30)] for c in columns}
     bf16 = {c: list(v) for c, v in fp32.items()}
     bf16["piqa"][:3] = [1, 0, 0]          # docs 1 and 2 flip to correct, doc 0 to wrong: 3 of 210 answers differ
@@ -525,7 +526,7 @@ def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
 
 
 def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
-    columns = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+    columns = PARTS
     answers = {"original": {c: [0] * 20 for c in columns},
                "finetuned_full_attention": {c: [0] * 18 + [1, 1] for c in columns},
                "mla": {c: [0] * 10 + [1] * 10 for c in columns}}

@@ -11,7 +11,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from . import comparisons, plots
-from .records import COMMONSENSE, canonical_runs, load_runs, training_curves, variant_label
+from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
 from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 
@@ -123,8 +123,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     if len(check):
         check.to_csv(tables / "dtype_check.csv", index=False)
         written += [tables / "dtype_check.csv"] + write_views(
-            tables, "dtype_check", {"": dtype_view(check, ["mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag",
-                                                             "openbookqa", "winogrande"])},
+            tables, "dtype_check", {"": dtype_view(check, list(COMMONSENSE_PARTS))},
             "The same model on the same docs, evaluated in two dtypes",
             "same answers: documents whose scored choice (argmax of length-normalised log-likelihood; Winogrande: "
             "of log-likelihood) is the same in both dtypes, per task in %; Δ: the other dtype's Avg minus FP32's, "

@@ -20,6 +20,7 @@ import yaml
 from ..evaluation.samples import SAMPLES_FILE
 
 COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+COMMONSENSE_PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored
 LONGBENCH = (
     "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
     "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
@@ -165,7 +166,7 @@ def kv_grouping(record: dict, quantized: bool, converted: bool) -> str | None:
 
 
 def eval_sample(record: dict, suite: str) -> str | None:
-    """Which documents a run's `suite` (commonsense | long_context) was scored on, as text: two runs with
+    """Which documents a run's `suite` (commonsense | long_context | longbench) was scored on, as text: two runs with
     the same text saw the same docs; None when the suite did not run."""
     meta = f"eval.meta.{suite}."
     if suite == "commonsense" and _get(record, "eval.commonsense.avg", "eval.commonsense.mmlu") is not None:
@@ -185,7 +186,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
 def eval_docs(record: dict) -> dict[str, int]:
     """Docs scored per score column (commonsense columns, passkey@L)."""
     out = {}
-    for task in ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande"):
+    for task in COMMONSENSE_PARTS:
         n = _as_int(_get(record, f"eval.meta.commonsense.n_docs.{task}"))
         if n:
             out[task] = n
@@ -240,12 +241,13 @@ def canonical_run(record: dict) -> dict:
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
         "kv_dtype": dtype_label(_get(record, "kv.dtype", "eval.kv_cache.dtype")),
+        # the cache of the evaluation's generation tasks where there were any (long prompts), else the
+        # runner's one-prefill measurement
         "kv_bytes_per_token": _get(record, "eval.kv_cache.bytes_per_token_measured", "kv.bytes_per_token_measured"),
-        "kv_ratio_nominal_paper": _get(record, "eval.kv_cache.ratio_nominal_paper", "kv.ratio_nominal_paper"),
         "data": _get(record, "config.data.name"),
         "seed": _as_int(_get(record, "config.seed")),
         "train_tokens": _as_int(train_tokens) or 0,
-        "kv_mem_change_pct": _get(record, "kv.mem_change_pct"),
+        "kv_mem_change_pct": _get(record, "eval.kv_cache.mem_change_pct", "kv.mem_change_pct"),
         "eval_sample_commonsense": eval_sample(record, "commonsense"),
         "eval_sample_long_context": eval_sample(record, "long_context"),
         "eval_sample_longbench": eval_sample(record, "longbench"),
