@@ -131,6 +131,14 @@ def shape_of(config) -> dict:
     }
 
 
+def folder_config(folder: str | Path):
+    """The transformers config of a local model folder (its config.json; no weights are read). Saved MLA
+    folders resolve through the registered `mha2mla` model type."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(folder).expanduser(), local_files_only=True)
+
+
 def check_shape(config, shape: Mapping | None, name: str) -> None:
     """Raise ValueError if the loaded model disagrees with the config's recorded shape facts."""
     if shape is None:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The CPU-budget runs behind results/REPORT.md (2 CPU cores, SmolLM2-135M offline, SOTU text); each
 # experiment's file in conf/experiment/ states its budget. Relaunching skips finished runs.
-# Usage: sweeps/cpu_reproduction.sh [recovery|table3|table1|table5|all] [extra overrides]
+# Usage: sweeps/cpu_reproduction.sh [recovery|table3|table1|table5|headline|eval_original|passkey_nope|
+#        kv_precision_cpu|kv_precision_cpu_transformers|all] [extra overrides]
 set -euo pipefail
 what=${1:-all}; shift || true
-for experiment in recovery cpu_table3 cpu_table1 cpu_table5; do
+for experiment in recovery cpu_table3 cpu_table1 cpu_table5 headline eval_original passkey_nope kv_precision_cpu \
+    kv_precision_cpu_transformers; do
   if [[ $what == all || $experiment == $what || $experiment == cpu_$what ]]; then
     python -m mha2mla_exp +experiment=$experiment logger=none "$@"
   fi

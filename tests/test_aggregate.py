@@ -12,13 +12,16 @@ import pandas as pd
 import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
-from mha2mla_exp.aggregate import plots
+from mha2mla_exp.aggregate import comparisons, plots
 from mha2mla_exp.aggregate.__main__ import main
 from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
-from mha2mla_exp.aggregate.render import to_markdown
+from mha2mla_exp.aggregate.paired import Z95
+from mha2mla_exp.aggregate.render import main_view, to_markdown
+from mha2mla_exp.evaluation.samples import SAMPLES_FILE, write_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 OURS_135M = "smollm2-135m"
+PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored columns
 
 
 @pytest.fixture(scope="module")
@@ -52,105 +55,88 @@ def cells(series: pd.Series, columns) -> dict:
 # ---------------------------------------------------------------- Table 1
 def test_table1_our_rows_beside_the_paper(agg):
     t1 = agg.tables["table1"]
-    cols = ["ours_model", "n_runs", "kv_mem_change_pct_ours", "kv_mem_change_pct_paper", "avg_ours", "avg_paper",
-            "avg_delta_ours", "avg_delta_paper", "mmlu_ours", "mmlu_paper", "winogrande_ours", "winogrande_paper"]
+    cols = ["ours_model", "n_seeds", "train_tokens", "kv_mem_change_pct", "kv_mem_change_pct_paper", "avg",
+            "avg_paper", "avg_delta", "avg_delta_paper", "vs", "mmlu", "mmlu_paper", "winogrande",
+            "winogrande_paper"]
     m = "135M SmolLM"
     assert cells(row(t1, model=m, method="original"), cols) == {
-        "ours_model": OURS_135M, "n_runs": 1, "kv_mem_change_pct_ours": 0.0, "kv_mem_change_pct_paper": None,
-        "avg_ours": 44.5, "avg_paper": 44.5, "avg_delta_ours": 0.0, "avg_delta_paper": 0.25,
-        "mmlu_ours": 30.0, "mmlu_paper": 29.8, "winogrande_ours": 52.0, "winogrande_paper": 52.01}
-    # two seeds of the same configuration -> their mean, counted
-    assert cells(row(t1, model=m, method="finetuned_full_attention"), cols) == {
-        "ours_model": OURS_135M, "n_runs": 2, "kv_mem_change_pct_ours": 0.0, "kv_mem_change_pct_paper": None,
-        "avg_ours": 44.5, "avg_paper": 44.25, "avg_delta_ours": None, "avg_delta_paper": None,
-        "mmlu_ours": 30.0, "mmlu_paper": 29.82, "winogrande_ours": 52.0, "winogrande_paper": 51.07}
-    assert row(t1, model=m, method="finetuned_full_attention")["train_tokens_ours"] == 500000
-    assert cells(row(t1, model=m, d_kv=16), cols) == {
-        "ours_model": OURS_135M, "n_runs": 1, "kv_mem_change_pct_ours": -81.25, "kv_mem_change_pct_paper": -81.25,
-        "avg_ours": 41.0, "avg_paper": 41.84, "avg_delta_ours": -3.5, "avg_delta_paper": -2.41,
-        "mmlu_ours": 28.0, "mmlu_paper": 28.66, "winogrande_ours": 50.0, "winogrande_paper": 49.8}
-    assert cells(row(t1, model=m, d_kv=8), ["avg_ours", "avg_paper", "avg_delta_ours", "avg_delta_paper",
-                                            "kv_mem_change_pct_ours"]) == {
-        "avg_ours": 39.5, "avg_paper": 40.97, "avg_delta_ours": -5.0, "avg_delta_paper": -3.28,
-        "kv_mem_change_pct_ours": -87.5}
+        "ours_model": OURS_135M, "n_seeds": 1, "train_tokens": 0, "kv_mem_change_pct": 0.0,
+        "kv_mem_change_pct_paper": None, "avg": 44.5, "avg_paper": 44.5, "avg_delta": None, "avg_delta_paper": None,
+        "vs": None, "mmlu": 30.0, "mmlu_paper": 29.8, "winogrande": 52.0, "winogrande_paper": 52.01}
+    # two seeds of the same configuration: their mean, each seed counted once; against the original
+    ft = row(t1, model=m, method="finetuned_full_attention", ours_model=OURS_135M)
+    assert cells(ft, cols) == {
+        "ours_model": OURS_135M, "n_seeds": 2, "train_tokens": 500000, "kv_mem_change_pct": 0.0,
+        "kv_mem_change_pct_paper": None, "avg": 44.5, "avg_paper": 44.25, "avg_delta": 0.0,
+        "avg_delta_paper": -0.25, "vs": "original", "mmlu": 30.0, "mmlu_paper": 29.82, "winogrande": 52.0,
+        "winogrande_paper": 51.07}
+    assert ft["seeds"] == "0,1" and ft["avg_seed_sd"] == pytest.approx(math.sqrt(0.5), abs=1e-4)   # 44 and 45
+    assert cells(row(t1, model=m, d_kv=16, ours_model=OURS_135M), cols) == {
+        "ours_model": OURS_135M, "n_seeds": 1, "train_tokens": 500000, "kv_mem_change_pct": -81.25,
+        "kv_mem_change_pct_paper": -81.25, "avg": 41.0, "avg_paper": 41.84, "avg_delta": -3.5,
+        "avg_delta_paper": -2.41, "vs": "FT full attention @ 500,000", "mmlu": 28.0, "mmlu_paper": 28.66,
+        "winogrande": 50.0, "winogrande_paper": 49.8}
+    # these records carry no doc counts: a delta, but no interval and no verdict on it
+    assert row(t1, model=m, d_kv=16, ours_model=OURS_135M)["verdict"] == "no interval"
 
 
 def test_table1_failed_run_leaves_its_cells_empty(agg):
     cell = row(agg.tables["table1"], model="135M SmolLM", d_kv=32)
-    assert cell["n_runs"] == 0 and pd.isna(cell["ours_model"])
-    assert all(pd.isna(cell[c]) for c in cell.index if c.endswith("_ours"))
+    assert cell["n_seeds"] == 0 and pd.isna(cell["ours_model"]) and pd.isna(cell["avg"])
     assert (cell["avg_paper"], cell["avg_delta_paper"]) == (43.06, -1.19)
 
 
-def test_table1_layout_and_paper_numbers_untouched(agg):
+def test_table1_paper_numbers_untouched(agg):
     t1 = agg.tables["table1"]
     paper = paper_commonsense().query("table == 1")
     assert list(t1["model"].drop_duplicates()) == ["135M SmolLM", "360M SmolLM", "1B7 SmolLM", "7B Llama2"]
     assert len(t1) == len(paper) == 20          # every paper row once, ours matched onto them
     assert t1["avg_paper"].tolist() == paper["avg"].tolist()
     assert row(t1, model="7B Llama2", d_kv=64)["r"] == 8    # the paper's r = d_h/16 with d_h = 128
-    assert list(t1.columns[:9]) == ["model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "n_runs"]
-    # 360M runs have only LongBench results: they must not appear as empty Table 1 rows
+    # 360M runs have only LongBench results: they must not appear as Table 1 rows
     assert (t1["ours_model"] == "smollm2-360m").sum() == 0
 
 
 # ---------------------------------------------------------------- Table 2
 def test_table2_longbench_by_precision(agg):
     t2 = agg.tables["table2"]
-    cols = ["n_runs", "kv_mem_change_pct_ours", "kv_mem_change_pct_paper", "avg_ours", "avg_paper",
-            "avg_delta_ours", "avg_delta_paper", "narrativeqa_ours", "narrativeqa_paper", "hotpotqa_ours",
-            "hotpotqa_paper"]
     m = "360M SmolLM"
-    assert cells(row(t2, model=m, method="original", precision="BF16"), cols) == {
-        "n_runs": 1, "kv_mem_change_pct_ours": 0.0, "kv_mem_change_pct_paper": 0.0, "avg_ours": 12.0,
-        "avg_paper": 13.5, "avg_delta_ours": None, "avg_delta_paper": None, "narrativeqa_ours": 2.0,
-        "narrativeqa_paper": 2.4, "hotpotqa_ours": None, "hotpotqa_paper": 5.0}
-    assert cells(row(t2, model=m, method="original", precision="Int4 HQQ"), cols) == {
-        "n_runs": 1, "kv_mem_change_pct_ours": -73.44, "kv_mem_change_pct_paper": -75.0, "avg_ours": 11.0,
-        "avg_paper": 13.4, "avg_delta_ours": -1.0, "avg_delta_paper": -0.1, "narrativeqa_ours": 2.0,
-        "narrativeqa_paper": 2.7, "hotpotqa_ours": None, "hotpotqa_paper": 5.5}
-    quanto = row(t2, model=m, method="original", precision="Int4 Quanto")
-    assert quanto["n_runs"] == 0 and pd.isna(quanto["avg_ours"]) and quanto["avg_delta_paper"] == -0.2
-    assert len(t2[t2["n_runs"] == 0]) == len(paper_longbench()) - 2
-
-
-def test_table2_carries_our_long_context_probe(agg):
-    t2 = agg.tables["table2"]
-    ours = t2[t2["ours_model"] == OURS_135M].set_index("method")
-    assert ours["long_context_avg_ours"].to_dict() == {
-        "original": 90.0, "finetuned_full_attention": 98.34, "partial_rope+svd": 73.33}
-    assert ours.loc["finetuned_full_attention", "n_runs"] == 2
-    assert ours["avg_paper"].isna().all()       # the paper has no 135M LongBench rows
+    plain = row(t2, model=m, method="original", kv_quant="unquantized", ours_model="smollm2-360m")
+    assert (plain["longbench_avg"], plain["avg_paper"], plain["kv_mem_change_pct"]) == (12.0, 13.5, 0.0)
+    hqq = row(t2, model=m, method="original", kv_quant="Int4 HQQ", ours_model="smollm2-360m")
+    assert (hqq["longbench_avg"], hqq["avg_paper"], hqq["avg_delta_paper"]) == (11.0, 13.4, pytest.approx(-0.1))
+    assert hqq["kv_mem_change_pct"] == -73.44 and hqq["kv_mem_change_pct_paper"] == -75.0
+    assert pd.isna(hqq["kv_dtype"]) and hqq["kv_grouping"] == "transformers"   # made before either was recorded
+    quanto = row(t2, model=m, method="original", kv_quant="Int4 Quanto")
+    assert quanto["n_seeds"] == 0 and pd.isna(quanto["longbench_avg"]) and quanto["avg_delta_paper"] == pytest.approx(-0.2)
+    assert len(t2[t2["n_seeds"] == 0]) == len(paper_longbench()) - 2
 
 
 # ---------------------------------------------------------------- Tables 3 and 5
 def test_table3_strategies(agg):
     t3 = agg.tables["table3"]
-    cols = ["n_runs", "avg_ours", "avg_paper", "avg_delta_ours", "avg_delta_paper", "arc_ours", "arc_paper"]
+    cols = ["n_seeds", "avg", "avg_paper", "avg_delta", "avg_delta_paper", "arc", "arc_paper"]
     m = "135M SmolLM"
-    assert cells(row(t3, model=m, method="partial_rope", rope="high"), cols) == {
-        "n_runs": 1, "avg_ours": 43.0, "avg_paper": 43.4, "avg_delta_ours": -1.5, "avg_delta_paper": -0.85,
-        "arc_ours": 41.0, "arc_paper": 41.15}
-    assert cells(row(t3, model=m, method="partial_rope+svd", rope="2-norm", svd="split"), cols) == {
-        "n_runs": 1, "avg_ours": 40.0, "avg_paper": 40.92, "avg_delta_ours": -4.5, "avg_delta_paper": -3.33,
-        "arc_ours": 37.0, "arc_paper": 37.85}
-    assert cells(row(t3, model=m, method="partial_rope+svd", rope="2-norm", svd="joint"), cols)["avg_delta_ours"] == -3.5
+    assert cells(row(t3, model=m, method="partial_rope", rope="high", ours_model=OURS_135M), cols) == {
+        "n_seeds": 1, "avg": 43.0, "avg_paper": 43.4, "avg_delta": -1.5, "avg_delta_paper": pytest.approx(-0.85),
+        "arc": 41.0, "arc_paper": 41.15}
+    assert cells(row(t3, model=m, method="partial_rope+svd", rope="2-norm", svd="split", ours_model=OURS_135M),
+                 cols) == {"n_seeds": 1, "avg": 40.0, "avg_paper": 40.92, "avg_delta": -4.5,
+                           "avg_delta_paper": pytest.approx(-3.33), "arc": 37.0, "arc_paper": 37.85}
     # the low-r Table 5 run and the d_kv=8 Table 1 run are not Table 3 configurations
-    assert set(t3.loc[t3["n_runs"] > 0, "rope"]) == {"full", "high", "2-norm"}
-    assert len(t3) == len(paper_commonsense().query("table == 3"))
+    assert set(t3.loc[t3["n_seeds"] > 0, "rope"]) == {"full", "high", "2-norm"}
 
 
 def test_table5_r_ablation(agg):
     t5 = agg.tables["table5"]
-    cols = ["n_runs", "avg_ours", "avg_paper", "avg_delta_ours", "avg_delta_paper"]
     m = "135M SmolLM"
-    full = row(t5, model=m, method="finetuned_full_attention")
-    assert (full["r"], full["n_runs"], full["avg_ours"], full["avg_paper"]) == (32, 2, 44.5, 44.25)
-    assert cells(row(t5, model=m, rope="low", r=2), cols) == {
-        "n_runs": 1, "avg_ours": 38.0, "avg_paper": 37.94, "avg_delta_ours": -6.5, "avg_delta_paper": -6.31}
+    full = row(t5, model=m, method="finetuned_full_attention", ours_model=OURS_135M)
+    assert (full["n_seeds"], full["avg"], full["avg_paper"]) == (2, 44.5, 44.25)
+    low = row(t5, model=m, rope="low", r=2, ours_model=OURS_135M)
+    assert (low["avg"], low["avg_paper"], low["avg_delta"], low["avg_delta_paper"]) == (
+        38.0, 37.94, -6.5, pytest.approx(-6.31))
     diverged = row(t5, model=m, rope="uniform", r=8)
-    assert diverged["n_runs"] == 0 and pd.isna(diverged["avg_ours"])
-    assert list(t5["rope"].iloc[:2]) == ["full", "none"]
+    assert diverged["n_seeds"] == 0 and pd.isna(diverged["avg"])
 
 
 def test_runs_not_in_the_paper_get_their_own_row(tmp_path):
@@ -161,11 +147,127 @@ def test_runs_not_in_the_paper_get_their_own_row(tmp_path):
     (tmp_path / "x/config.yaml").write_text("model: {paper_name: 135M SmolLM}\n")
     t3 = build_aggregate([tmp_path]).tables["table3"]
     extra = row(t3, model="135M SmolLM", rope="low", svd="joint")
-    assert (extra["n_runs"], extra["avg_ours"]) == (1, 40.0) and pd.isna(extra["avg_paper"])
+    assert (extra["n_seeds"], extra["avg"]) == (1, 40.0) and pd.isna(extra["avg_paper"])
     assert extra.name == t3.index[t3["model"] == "135M SmolLM"].max()   # after the model's paper rows
-    assert pd.isna(extra["avg_delta_ours"])     # no fine-tuned baseline among these runs: no delta guessed
+    assert pd.isna(extra["avg_delta"]) and extra["verdict"] == "no baseline"   # no fine-tuned run: none guessed
 
 
+# ---------------------------------------------------------------- rows: budgets, seeds, doc samples, intervals
+def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=50, status="ok", **extra):
+    """A results.json in the runner's format with the commonsense block and its doc counts."""
+    columns = PARTS
+    scores = {c: avg for c in columns} | {"arc": avg, "avg": avg, "limit": limit}
+    mla = None if method != "mla" else {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": d_kv}
+    return {
+        "run_name": f"{method}-{tokens}-{seed}-{limit}", "experiment": "x", "status": status,
+        "model": {"name": "smollm2-135m"}, "variant": method if method != "mla" else "mla", "mla": mla,
+        "kv_quant": None, "kv": {"mem_change_pct": {8: -87.5, 16: -81.25, 32: -68.75}[d_kv] if mla else 0.0,
+                                 "dtype": "float32"},
+        "train": {"tokens": tokens} if tokens else None,
+        "eval": {"commonsense": scores, "meta": {"commonsense": {
+            "limit": limit, "mmlu_limit": 1, "sample": "random", "seed": 1234, "source": "offline: ...",
+            "n_docs": {c: n for c in columns}}}} | extra}
+
+
+def _write(root: Path, name: str, record: dict, seed: int = 0, rows: list | None = None) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(record))
+    (folder / "config.yaml").write_text(f"model: {{paper_name: 135M SmolLM}}\nseed: {seed}\ndata: {{name: sotu}}\n")
+    if rows is not None:
+        write_samples(rows, folder / SAMPLES_FILE)
+    return folder
+
+
+def test_rows_with_different_budgets_never_share_a_table_row(tmp_path):
+    _write(tmp_path, "ft32k", _record("finetuned_full_attention", 32768, avg=0.40))
+    _write(tmp_path, "mla32k", _record(tokens=32768, avg=0.32))
+    _write(tmp_path, "mla8k", _record(tokens=8192, avg=0.31))
+    _write(tmp_path, "mla0", _record(tokens=0, avg=0.35))
+    _write(tmp_path, "original", _record("original", 0, avg=0.44))
+    t1 = build_aggregate([tmp_path]).tables["table1"]
+    ours = t1[(t1["d_kv"] == 16) & (t1["n_seeds"] > 0)].set_index("train_tokens")
+    assert sorted(ours.index) == [0, 8192, 32768]   # one row per budget, never merged
+    assert ours["avg"].to_dict() == {0: 35.0, 8192: 31.0, 32768: 32.0}
+    # each against the baseline of its own budget; none at 8k, where no full-attention model was fine-tuned
+    assert ours["vs"].to_dict() == {0: "original", 8192: "FT full attention @ 8,192",
+                                    32768: "FT full attention @ 32,768"}
+    assert ours.loc[32768, "avg_delta"] == pytest.approx(-8.0) and ours.loc[0, "avg_delta"] == pytest.approx(-9.0)
+    assert pd.isna(ours.loc[8192, "avg_delta"]) and ours.loc[8192, "verdict"] == "no baseline"
+    # 50 docs per column, no per-doc results: an unpaired binomial interval, by hand
+    se = lambda p: math.sqrt(sum((w * math.sqrt(p * (1 - p) / 50)) ** 2 for w in [1 / 6] * 5 + [1 / 12] * 2))
+    half = Z95 * math.hypot(se(0.32), se(0.40)) * 100
+    assert ours.loc[32768, "avg_delta_high"] - ours.loc[32768, "avg_delta"] == pytest.approx(half, abs=1e-3)
+    assert ours.loc[32768, "ci"] == "unpaired binomial" and ours.loc[32768, "verdict"] == "lower"
+    view = main_view(t1, with_kv_memory=True)
+    assert list(view.loc[view["row"].str.startswith("2-norm") & (view["seeds"] != ""), "tokens"]) == [
+        "0", "8,192", "32,768"]
+
+
+def test_different_doc_samples_are_never_paired_and_a_seed_counts_once(tmp_path):
+    _write(tmp_path, "ft", _record("finetuned_full_attention", avg=0.40, limit=100, n=100))
+    _write(tmp_path, "mla_a", _record(avg=0.30))                          # 50 docs: other docs than the FT's
+    _write(tmp_path, "mla_b", _record(avg=0.30, train_probe=True))        # the same seed again (a probe run)
+    _write(tmp_path, "mla_seed1", _record(seed=1, avg=0.34), seed=1)
+    t1 = build_aggregate([tmp_path]).tables["table1"]
+    mla = row(t1, d_kv=16, ours_model=OURS_135M)
+    assert (mla["n_seeds"], mla["seeds"], mla["avg"]) == (2, "0,1", pytest.approx(32.0))
+    assert mla["avg_seed_sd"] == pytest.approx(math.sqrt(8.0), abs=1e-4)
+    assert pd.isna(mla["avg_delta"]) and mla["verdict"] == "no baseline"
+
+
+def _passkey_rows(correct: dict[int, list[int]]) -> list[dict]:
+    return [{"suite": "long_context", "column": f"passkey@{length}", "task": f"passkey_L{length}", "doc_id": i,
+             "doc_hash": f"{length}-{i}", "acc": float(v)} for length, values in correct.items()
+            for i, v in enumerate(values)]
+
+
+def _passkey_record(method, kv_quant=None, correct=None, tokens=0, grouping=None):
+    lengths = sorted(correct)
+    scores = {f"passkey@{L}": sum(v) / len(v) for L, v in correct.items()}
+    scores["avg"] = sum(scores.values()) / len(scores)
+    quant = None if kv_quant is None else {"backend": kv_quant[0], "nbits": kv_quant[1], "residual_length": 128,
+                                           **({"grouping": grouping} if grouping else {})}
+    return {"run_name": f"{method}-{kv_quant}", "experiment": "kv", "status": "ok", "model": {"name": "smollm2-135m"},
+            "variant": "mla" if method == "mla" else method,
+            "mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 16} if method == "mla" else None,
+            "kv_quant": quant, "kv": {"mem_change_pct": 0.0, "dtype": "float32", "bytes_per_token_measured": 46080},
+            "train": {"tokens": tokens} if tokens else None,
+            "eval": {"long_context": scores, "kv_cache": {"bytes_per_token_measured": 1000.0 if quant else None},
+                     "meta": {"long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2,
+                                               "seed": 1234}}}}
+
+
+def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
+    base = {1024: [1, 1, 1, 1, 0, 1], 2048: [1, 1, 1, 0, 1, 1]}
+    int2 = {1024: [0, 0, 1, 0, 0, 0], 2048: [0, 1, 0, 0, 0, 0]}
+    _write(tmp_path, "orig", _passkey_record("original", correct=base), rows=_passkey_rows(base))
+    _write(tmp_path, "orig_hqq2", _passkey_record("original", ("hqq", 2), int2), rows=_passkey_rows(int2))
+    _write(tmp_path, "orig_hqq4", _passkey_record("original", ("hqq", 4), base, grouping="tokens"),
+           rows=_passkey_rows(base))
+    _write(tmp_path, "mla", _passkey_record("mla", correct=int2), rows=_passkey_rows(int2))
+    short = {512: [1, 0, 1, 1, 1, 1]}        # other lengths: a row of its own, its Avg over its own length
+    _write(tmp_path, "orig_short", _passkey_record("original", correct=short), rows=_passkey_rows(short))
+    t2 = build_aggregate([tmp_path]).tables["table2"]
+    ours = t2[(t2["n_seeds"] > 0) & t2["eval_sample"].str.startswith("lengths=[1024", na=False)]
+    other = row(t2, method="original", kv_quant="unquantized", eval_sample="lengths=[512] depths=[0.0, 0.5, 1.0] x2 "
+                                                                          "seed=1234")
+    assert other["avg"] == pytest.approx(100 * 5 / 6, abs=1e-3) and other["avg_low"] < other["avg"] < other["avg_high"]
+    assert pd.isna(other["passkey@1024"]) and other["verdict"] == "reference"
+    hqq2 = row(ours, method="original", kv_quant="Int2 HQQ")
+    # by hand: the mean over lengths of the per-length mean differences
+    by_hand = 100 * ((sum(int2[1024]) - sum(base[1024])) / 6 + (sum(int2[2048]) - sum(base[2048])) / 6) / 2
+    assert hqq2["avg_delta"] == pytest.approx(by_hand, abs=1e-4) and hqq2["ci"] == "paired bootstrap"
+    assert hqq2["avg_delta_low"] <= by_hand <= hqq2["avg_delta_high"] and hqq2["verdict"] == "lower"
+    same = row(ours, method="original", kv_quant="Int4 HQQ")      # same answers on every doc: zero width
+    assert (same["avg_delta"], same["avg_delta_low"], same["avg_delta_high"]) == (0.0, 0.0, 0.0)
+    assert same["verdict"] == "not resolved" and same["kv_grouping"] == "tokens"
+    assert row(ours, method="partial_rope+svd")["vs"] == "original"
+    assert row(ours, method="original", kv_quant="unquantized")["verdict"] == "reference"
+    assert ours["passkey@1024"].notna().all() and len(ours) == 4
+
+
+# ---------------------------------------------------------------- runs, empty results, outputs
 # ---------------------------------------------------------------- runs, empty results, outputs
 def test_non_ok_runs_listed_with_status(written):
     runs = pd.read_csv(written[0] / "runs.csv")
@@ -185,7 +287,7 @@ def test_runs_not_ok_stay_out_even_with_scores(tmp_path):
         (tmp_path / status / "results.json").write_text(json.dumps(run))
     agg = build_aggregate([tmp_path])
     cell = row(agg.tables["table1"], model="smollm2-135m", d_kv=16)    # no config.yaml: no paper name
-    assert (cell["n_runs"], cell["avg_ours"]) == (1, 41.0)
+    assert (cell["n_seeds"], cell["avg"]) == (1, 41.0)
     assert sorted(agg.runs["status"]) == ["diverged", "ok", "running"]
 
 
@@ -194,7 +296,7 @@ def test_unreadable_record_is_listed_not_fatal(tmp_path):
     (tmp_path / "broken/results.json").write_text('{"status": "ok", ')
     agg = build_aggregate([tmp_path])
     assert agg.runs["status"].tolist() == ["unreadable"]
-    assert agg.tables["table1"]["n_runs"].sum() == 0
+    assert agg.tables["table1"]["n_seeds"].sum() == 0
 
 
 def test_written_tables_keep_empty_cells_empty(agg, written):
@@ -203,25 +305,29 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
         csv = pd.read_csv(tmp_path / "tables" / f"{name}.csv")
         assert list(csv.columns) == list(table.columns)
         assert csv["avg_paper"].tolist() == pytest.approx(table["avg_paper"].astype(float).tolist(), nan_ok=True)
-        markdown = (tmp_path / "tables" / f"{name}.md").read_text()
-        latex = (tmp_path / "tables" / f"{name}.tex").read_text()
-        assert "nan" not in markdown.lower().replace("narrativeqa", "") and "<NA>" not in markdown
-        assert "\\begin{tabular}" in latex and "nan" not in latex.lower().replace("narrativeqa", "")
+        for view in (name, f"{name}_tasks"):
+            markdown = (tmp_path / "tables" / f"{view}.md").read_text()
+            latex = (tmp_path / "tables" / f"{view}.tex").read_text()
+            assert "nan" not in markdown.lower() and "<NA>" not in markdown and "None" not in markdown
+            assert "\\begin{tabular}" in latex and "nan" not in latex.lower()
     lines = [[c.strip() for c in l.split("|")[1:-1]] for l in (tmp_path / "tables/table1.md").read_text().splitlines()
              if l.startswith("|")]
     rows = [dict(zip(lines[0], l)) for l in lines[2:]]
-    dkv32 = next(r for r in rows if r["model"] == "135M SmolLM" and r["d_kv"] == "32")
-    assert (dkv32["avg_ours"], dkv32["avg_paper"], dkv32["avg_delta_paper"], dkv32["n_runs"]) == ("", "43.06", "-1.19", "0")
+    assert len(lines[0]) <= 14      # a table a reader takes in: not 24 columns
+    dkv32 = next(r for r in rows if r["row"] == "2-norm r=4, joint SVD d_kv=32")
+    assert (dkv32["Avg ±95%"], dkv32["paper Avg"], dkv32["paper Δ"], dkv32["seeds"]) == ("", "43.06", "−1.19", "")
+    ft = next(r for r in rows if r["row"] == "FT full attention")
+    assert (ft["tokens"], ft["seeds"], ft["Avg ±95%"], ft["vs"]) == ("500,000", "2 (sd 0.7)", "44.5", "original")
 
 
 def test_markdown_without_tabulate(monkeypatch, agg):
     def missing(*args, **kwargs):
         raise ImportError("Missing optional dependency 'tabulate'")
     monkeypatch.setattr(pd.DataFrame, "to_markdown", missing)
-    text = to_markdown(agg.tables["table5"])
+    text = to_markdown(main_view(agg.tables["table5"]))
     header, rule, first = text.splitlines()[:3]
-    assert header.startswith("| model | ours_model | method |") and rule.startswith("|---|")
-    assert first.startswith("| 135M SmolLM | smollm2-135m | finetuned_full_attention | full | 32 |  | 2 | 44.50 | 44.25 |")
+    assert header.startswith("| row | tokens | eval docs | seeds | Avg ±95% |") and rule.startswith("|---|")
+    assert first.startswith("| FT full attention | 500,000 |  | 2 (sd 0.7) | 44.5 | 0.0 | original |")
 
 
 def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys):
@@ -230,9 +336,9 @@ def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys
     assert main([]) == 0                      # results/runs absent
     assert "no run records found" in capsys.readouterr().out
     t1 = pd.read_csv(tmp_path / "results/aggregate/tables/table1.csv")
-    assert len(t1) == 20 and t1["n_runs"].eq(0).all() and t1["avg_ours"].isna().all()
+    assert len(t1) == 20 and t1["n_seeds"].eq(0).all() and t1["avg"].isna().all()
     assert t1["avg_paper"].notna().all()
-    assert "ours columns are empty" in (tmp_path / "results/aggregate/tables/table1.md").read_text()
+    assert "our columns are empty" in (tmp_path / "results/aggregate/tables/table1.md").read_text()
     for name in ("kv_memory_vs_avg", "strategy_comparison", "loss_curves", "long_context_vs_length"):
         assert (tmp_path / f"results/aggregate/plots/{name}.png").stat().st_size > 0
         assert (tmp_path / f"results/aggregate/plots/{name}.pdf").stat().st_size > 0
@@ -245,19 +351,37 @@ def test_cli_on_run_dirs(written):
 
 # ---------------------------------------------------------------- plots
 def series(ax) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines
+            if not line.get_label().startswith("_")}   # errorbar's own lines are labelled by their container
 
 
-def test_kv_memory_plot(agg):
+def test_kv_memory_plot_draws_the_paper_line(agg):
     ax = plots.kv_memory_vs_avg(agg.tables["table1"]).axes[0]
     assert ax.get_xlabel() == "KV cache memory (% of MHA)" and ax.get_ylabel() == plots.AVG_LABEL
     lines = series(ax)
-    assert set(lines) == {"paper: 135M SmolLM", "paper: 360M SmolLM", "paper: 1B7 SmolLM", "paper: 7B Llama2",
-                          "ours: smollm2-135m (135M SmolLM)"}
-    assert lines["ours: smollm2-135m (135M SmolLM)"] == ([12.5, 18.75, 100.0], [39.5, 41.0, 44.5])
-    assert lines["paper: 135M SmolLM"] == ([12.5, 18.75, 31.25, 100.0], [40.97, 41.84, 43.06, 44.25])
-    only = plots.kv_memory_vs_avg(agg.tables["table1"], models=["135M SmolLM"]).axes[0]
-    assert len(only.lines) == 2
+    assert set(lines) == {"paper: 135M SmolLM (2.25B tokens)"}      # only the models we ran
+    assert lines["paper: 135M SmolLM (2.25B tokens)"] == ([12.5, 18.75, 31.25, 100.0], [40.97, 41.84, 43.06, 44.25])
+    ours = {c.get_label(): c for c in ax.containers}
+    assert list(ours) == ["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
+    assert list(ours["ours: smollm2-135m (135M SmolLM), 500,000 tokens"].lines[0].get_ydata()) == [39.5, 41.0, 44.5]
+    empty = plots.kv_memory_vs_avg(agg.tables["table1"].iloc[0:0]).axes[0]
+    assert not empty.lines and not empty.containers
+
+
+def test_kv_memory_plot_one_line_per_budget_with_whiskers(tmp_path):
+    for tokens in (8192, 32768):
+        _write(tmp_path, f"ft{tokens}", _record("finetuned_full_attention", tokens, avg=0.40))
+        for d_kv, avg in ((16, 0.31), (8, 0.30)):
+            _write(tmp_path, f"mla{tokens}_{d_kv}", _record(tokens=tokens, d_kv=d_kv, avg=avg + tokens / 1e6))
+    ax = plots.kv_memory_vs_avg(build_aggregate([tmp_path]).tables["table1"]).axes[0]
+    lines = {c.get_label(): c for c in ax.containers}
+    assert set(lines) == {f"ours: smollm2-135m (135M SmolLM), {t:,} tokens, 50/task, MMLU 50 · FP32" for t in (8192, 32768)}
+    for label, container in lines.items():
+        tokens = 8192 if "8,192" in label else 32768
+        y = list(container.lines[0].get_ydata())
+        assert y == pytest.approx([100 * (0.30 + tokens / 1e6), 100 * (0.31 + tokens / 1e6), 40.0])  # x ascending
+        whiskers = container.lines[2][0].get_segments()
+        assert len(whiskers) == 3 and all(seg[0][1] < yy < seg[1][1] for seg, yy in zip(whiskers, y))
 
 
 def test_strategy_plot(agg):
@@ -268,11 +392,11 @@ def test_strategy_plot(agg):
     assert [t.get_text() for t in ax.get_xticklabels()] == [
         "high", "low", "uniform", "2-norm", "high+SVD joint", "uniform+SVD joint", "2-norm+SVD joint",
         "2-norm+SVD split"]
-    bars = {c.get_label(): [b.get_height() for b in c] for c in ax.containers}
+    bars = {c.get_label(): [b.get_height() for b in c] for c in ax.containers if hasattr(c, "patches")}
     assert bars["paper"] == [43.4, 37.76, 43.76, 43.77, 41.04, 41.77, 41.84, 40.92]
-    ours = bars["ours: smollm2-135m (135M SmolLM)"]
+    ours = bars["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
     assert [None if math.isnan(h) else h for h in ours] == [43.0, None, None, None, None, None, 41.0, 40.0]
-    assert {l.get_label() for l in ax.lines} == {"paper: FT full attention", "ours: FT full attention"}
+    assert {l.get_label() for l in ax.lines} >= {"paper: FT full attention", "FT full attention, 500,000 tokens"}
     assert [c.get_label() for c in figure.axes[1].containers] == ["paper"]
 
 
@@ -334,12 +458,12 @@ def test_wandb_runs_join_the_tables():
               "svd": {"method": "joint", "d_kv": 32, "sigma": "up", "init": "weight"},
               "kv_quant": {"backend": None, "nbits": None, "residual_length": 128}}
     summary = {"status": "ok", "kv/mem_change_pct": -68.75, "train/tokens": 500000,
-               "eval/commonsense/avg": 0.42, "eval/commonsense/mmlu": 0.3}
+               "eval/commonsense/avg": 0.42, "eval/commonsense/mmlu": 0.3, "eval/commonsense/limit": 200}
     crashed = {"mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 8}}   # nested form, no status
     api = _FakeApi([_FakeRun("a", "finished", config, summary), _FakeRun("b", "crashed", config, crashed)])
     agg = build_aggregate([FIXTURES], wandb_project="e/p", wandb_api=api)
     cell = row(agg.tables["table1"], model="135M SmolLM", d_kv=32)
-    assert (cell["n_runs"], cell["avg_ours"], cell["avg_delta_ours"], cell["mmlu_ours"]) == (1, 42.0, -2.5, 30.0)
+    assert (cell["n_seeds"], cell["avg"], cell["avg_delta"], cell["mmlu"]) == (1, 42.0, -2.5, 30.0)
     assert cell["r"] == 4                      # rope.r: null resolved to d_h/16
     runs = agg.runs.set_index("run_name")
     assert runs.loc["b", "status"] == "failed" and runs.loc["b", "d_kv"] == 8
@@ -358,6 +482,62 @@ def test_non_default_options_are_a_row_of_their_own(tmp_path):
     t1 = agg.tables["table1"]
     rows = t1[(t1["model"] == "135M SmolLM") & (t1["d_kv"] == 16)]
     assert rows["options"].isna().tolist() == [True, False] and rows["options"].iloc[1] == "score=sum"
-    assert rows["avg_ours"].tolist() == [41.0, 42.0] and rows["avg_paper"].tolist() == [41.84, 41.84]
+    assert rows["avg"].tolist() == [41.0, 42.0] and rows["avg_paper"].tolist() == [41.84, 41.84]
     assert sorted(agg.runs["label"]) == ["smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
                                          "smollm2-135m: MLA 2-norm r=4 joint d_kv=16 (score=sum)"]
+
+
+# ---------------------------------------------------------------- comparisons: pairwise, dtype check
+def _commonsense_rows(answers: dict[str, list[int]], gold: int = 0) -> list[dict]:
+    """Per-doc rows: `answers[column]` the scored choice per doc (correct when equal to `gold`)."""
+    rows = []
+    for column, chosen in answers.items():
+        metric = "acc" if column == "winogrande" else "acc_norm"
+        for i, choice in enumerate(chosen):
+            rows.append({"suite": "commonsense", "column": column, "task": column, "doc_id": i, "doc_hash": f"{column}{i}",
+                         "gold": gold, "pred": choice, "pred_norm": choice, metric: float(choice == gold)})
+    return rows
+
+
+def _scores_of(answers):
+    scores = {c: sum(v == 0 for v in a) / len(a) for c, a in answers.items()}
+    scores["arc"] = (scores["arc_easy"] + scores["arc_challenge"]) / 2
+    scores["avg"] = sum(scores[c] for c in ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")) / 6
+    return scores
+
+
+def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
+    columns = PARTS
+    fp32 = {c: [i % 3 for i in range(30)] for c in columns}
+    bf16 = {c: list(v) for c, v in fp32.items()}
+    bf16["piqa"][:3] = [1, 0, 0]          # docs 1 and 2 flip to correct, doc 0 to wrong: 3 of 210 answers differ
+    for dtype, answers in (("float32", fp32), ("bfloat16", bf16)):
+        record = _record("original", 0, n=30)
+        record["eval"]["commonsense"].update(_scores_of(answers))
+        record["eval"]["meta"]["dtype"] = dtype
+        _write(tmp_path, dtype, record, rows=_commonsense_rows(answers))
+    agg = build_aggregate([tmp_path])
+    check = comparisons.dtype_check(agg.runs).iloc[0]
+    assert (check["dtype"], check["same answers"], check["docs"]) == ("BF16", 207, 210)
+    assert check["piqa same %"] == pytest.approx(100 * 27 / 30) and check["mmlu same %"] == 100.0
+    assert check["avg_delta"] == pytest.approx(100 * (1 / 30) / 6, abs=1e-4)     # one more correct PIQA doc
+    # two dtypes are two rows of Table 1, never merged
+    assert sorted(agg.tables["table1"].query("n_seeds > 0")["eval_dtype"]) == ["BF16", "FP32"]
+
+
+def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
+    columns = PARTS
+    answers = {"original": {c: [0] * 20 for c in columns},
+               "finetuned_full_attention": {c: [0] * 18 + [1, 1] for c in columns},
+               "mla": {c: [0] * 10 + [1] * 10 for c in columns}}
+    for method, a in answers.items():
+        record = _record(method, 0 if method == "original" else 32768, n=20) | {"experiment": "headline"}
+        record["eval"]["commonsense"].update(_scores_of(a))
+        _write(tmp_path, method, record, rows=_commonsense_rows(a))
+    pairs = comparisons.pairwise(build_aggregate([tmp_path]).runs, "headline").set_index(["B", "A"])
+    assert len(pairs) == 3
+    mla_vs_ft = pairs.loc[("2-norm r=4, joint SVD d_kv=16 @ 32,768 tokens", "FT full attention @ 32,768 tokens")]
+    assert mla_vs_ft["avg_delta"] == pytest.approx(-40.0) and mla_vs_ft["verdict"] == "B lower"
+    assert mla_vs_ft["ci"] == "paired bootstrap" and mla_vs_ft["avg_delta_high"] < 0
+    ft_vs_original = pairs.loc[("FT full attention @ 32,768 tokens", "original")]
+    assert ft_vs_original["avg_delta"] == pytest.approx(-10.0)

@@ -43,7 +43,7 @@ def test_matches_lm_eval_command_line(tiny, data_root, tmp_path):
     model, tokenizer = tiny
     cfg = CommonsenseConfig(limit=20, sample="random", seed=7, data_root=str(data_root), mmlu_subjects=SUBJECTS,
                             batch_size=4)
-    ours, meta = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=4), cfg)
+    ours, meta, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=4), cfg)
     assert meta["n_docs"] == {"mmlu": 40, **{c: 20 for c in COLUMNS}}
 
     folder = tmp_path / "tiny"
@@ -113,11 +113,11 @@ def test_mla_model_runs_through_hflm(tiny, data_root):
 
     model, tokenizer = tiny
     cfg = CommonsenseConfig(limit=8, data_root=str(data_root), tasks=("piqa", "hellaswag"))
-    original, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=4), cfg)
+    original, _, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=4), cfg)
     exact = convert_to_mla(model, rope="full", svd="none")  # an exact re-parametrisation
-    same, _ = evaluate_commonsense(EvalLM(exact, tokenizer, batch_size=4), cfg)
+    same, _, _ = evaluate_commonsense(EvalLM(exact, tokenizer, batch_size=4), cfg)
     assert same == original
-    lossy, _ = evaluate_commonsense(EvalLM(convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4), tokenizer,
+    lossy, _, _ = evaluate_commonsense(EvalLM(convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4), tokenizer,
                                            batch_size=4), cfg)
     assert all(0.0 <= lossy[k] <= 1.0 for k in ("piqa", "hellaswag"))
 
@@ -150,7 +150,7 @@ def test_smollm2_arc_challenge_matches_an_independent_lm_eval_run():
     from mha2mla_exp.models import load_model
 
     model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
-    scores, meta = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=16),
+    scores, meta, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=16),
                                         CommonsenseConfig(tasks=("arc_challenge",)))
     assert meta["n_docs"]["arc_challenge"] == 299
     assert scores["arc_challenge"] == pytest.approx(0.314, abs=5e-4)

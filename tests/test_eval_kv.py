@@ -1,12 +1,12 @@
 """Quantized-KV evaluation: generation tasks run on the quantized cache (int4 / int2, HQQ / quanto, residual
-128) for the MLA model and, as the paper's baseline, the original model with transformers' QuantizedCache;
-the measured bytes per token are recorded next to the nominal ratio."""
+128) for the MLA model and the original model with the same quantizer (or, labelled, transformers'
+QuantizedCache defaults); the measured bytes per token are recorded next to the nominal ratio."""
 
 import pytest
 import torch
 
 from mha2mla_exp.evaluation.fixtures import text_files
-from mha2mla_exp.evaluation.kv import KVQuant, nominal_ratio
+from mha2mla_exp.evaluation.kv import KVQuant, new_cache, nominal_ratio
 from mha2mla_exp.evaluation.run import run_evaluation
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.models import build_random_model
@@ -15,6 +15,9 @@ from mha2mla_exp.models import build_random_model
 TINY = {"shape": {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
                   "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
 QUANTS = [{"backend": b, "nbits": n, "residual_length": 128} for b in ("hqq", "quanto") for n in (4, 2)]
+CACHE_LABEL = {("mla", "tokens"): "quantized latent, groups of 64 tokens per channel",
+               ("original", "tokens"): "quantized K/V, groups of 64 tokens per channel",
+               ("original", "transformers"): "transformers QuantizedCache"}
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +51,15 @@ def unquantized(models, eval_cfg):
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q['backend']}{q['nbits']}")
-@pytest.mark.parametrize("kind", ["mla", "original"])
-def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantized, kind, quant):
+@pytest.mark.parametrize("kind, grouping", list(CACHE_LABEL), ids=lambda v: v if isinstance(v, str) else None)
+def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantized, kind, grouping, quant):
     by_kind, tokenizer = models
     model = by_kind[kind]
+    quant = quant | {"grouping": grouping}
     out = run_evaluation(model, tokenizer, eval_cfg, kv_quant=quant, window=512)
     kv, plain = out["kv_cache"], unquantized[kind]["kv_cache"]
     assert kv["kv_quant"] == KVQuant(**quant).to_dict() and kv["generate_calls"] == 1  # one batch of 2 prompts
-    assert kv["cache"] == ("quantized latent" if kind == "mla" else "transformers QuantizedCache")
+    assert kv["cache"] == CACHE_LABEL[kind, grouping]
     assert 0 < kv["bytes_per_token_measured"] < plain["bytes_per_token_measured"]
     # the 128 most recent tokens stay full precision, so the measured ratio sits above the nominal one
     assert kv["ratio_nominal"] < kv["ratio_measured"] < plain["ratio_measured"]
@@ -92,7 +96,26 @@ def test_no_generation_task_means_no_cache_measurement(models):
     assert "bytes_per_token_measured" not in out["kv_cache"] and "no KV cache" in out["kv_cache"]["note"]
 
 
+@pytest.mark.parametrize("backend", ["hqq", "quanto"])
+def test_mha_and_mla_caches_share_one_quantizer(models, backend):
+    """The same [B, H, T, D] tensor comes back the same from the original's and the latent's quantized cache."""
+    by_kind, _ = models
+    quant = KVQuant(backend=backend, nbits=4, residual_length=0)
+    x = torch.randn(1, 2, 200, 24, generator=torch.Generator().manual_seed(0))
+    back = []
+    for model in by_kind.values():
+        cache = new_cache(model, quant)
+        keys, _ = cache.layers[0].update(x, x)  # the first update keeps full precision, quantizes for later
+        back.append(cache.layers[0]._dequantize(cache.layers[0]._quantized_keys))
+    assert type(new_cache(by_kind["original"], quant)) is type(new_cache(by_kind["mla"], quant))
+    assert torch.equal(back[0], back[1]) and 0 < (back[0] - x).abs().max() < 0.5
+
+
 def test_bad_kv_quant_is_rejected():
+    with pytest.raises(ValueError, match="grouping"):
+        KVQuant.from_cfg({"backend": "hqq", "nbits": 4, "grouping": "heads"})
+    with pytest.raises(ValueError, match="original model"):
+        KVQuant(grouping="transformers").check_model(converted=True)
     with pytest.raises(ValueError, match="backend"):
         KVQuant.from_cfg({"backend": "gptq", "nbits": 4})
     with pytest.raises(ValueError, match="nbits"):

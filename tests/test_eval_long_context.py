@@ -46,7 +46,7 @@ def test_passkey_scoring_and_record(tiny, texts):
     cfg = LongContextConfig(lengths=(400, 480), depths=(0.0, 1.0), samples_per_depth=1, ppl_lengths=(256,), ppl_docs=2)
     lm = EvalLM(model, tokenizer, window=512)
     rng = torch.random.get_rng_state()
-    scores, ppl, meta = evaluate_long_context(lm, tokenizer, cfg, texts=texts)
+    scores, ppl, meta, _ = evaluate_long_context(lm, tokenizer, cfg, texts=texts)
     assert torch.equal(rng, torch.random.get_rng_state())  # lm-eval's seeding does not leak into training
     assert set(scores) == {"passkey@400", "passkey@480", "avg"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
@@ -61,7 +61,7 @@ def test_longdoc_perplexity_equals_ours(tiny, texts):
     """lm-eval's rolling loglikelihood (BOS, then the document) gives the same token perplexity as ours."""
     model, tokenizer = tiny
     cfg = LongContextConfig(lengths=(), ppl_lengths=(300,), ppl_docs=2)
-    _, ppl, _ = evaluate_long_context(EvalLM(model, tokenizer, window=512), tokenizer, cfg, texts=texts)
+    _, ppl, _, _ = evaluate_long_context(EvalLM(model, tokenizer, window=512), tokenizer, cfg, texts=texts)
     docs = ppl_docs(tokenizer, texts, 300, 2)
     assert all(d["n_tokens"] <= 299 for d in docs)
     nll = 0.0
@@ -97,8 +97,8 @@ def test_smollm2_retrieves_the_passkey_and_nope_does_worse():
 
     model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
     cfg = LongContextConfig(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75), samples_per_depth=1)
-    original, _, _ = evaluate_long_context(EvalLM(model, tokenizer, window=2048), tokenizer, cfg)
+    original, _, _, _ = evaluate_long_context(EvalLM(model, tokenizer, window=2048), tokenizer, cfg)
     nope = convert_to_mla(model, rope="none", svd="none")
-    converted, _, _ = evaluate_long_context(EvalLM(nope, tokenizer, window=2048), tokenizer, cfg)
+    converted, _, _, _ = evaluate_long_context(EvalLM(nope, tokenizer, window=2048), tokenizer, cfg)
     assert original["passkey@512"] >= 0.75
     assert converted["passkey@512"] < original["passkey@512"]

@@ -84,7 +84,7 @@ def data_dir(tmp_path):
 
 def test_scores_match_hand_computed_values(data_dir):
     lm = CannedLM({_marker(rec): out for cases in CASES.values() for rec, out, _ in cases})
-    scores, meta = evaluate_longbench(lm, LongBenchConfig(subsets=tuple(CASES), data_dir=str(data_dir)))
+    scores, meta, _ = evaluate_longbench(lm, LongBenchConfig(subsets=tuple(CASES), data_dir=str(data_dir)))
     expected = {s: sum(score for _, _, score in cases) / len(cases) for s, cases in CASES.items()}
     for subset, value in expected.items():
         assert scores[subset] == pytest.approx(value, abs=1e-9), subset
@@ -103,7 +103,7 @@ def test_scores_match_hand_computed_values(data_dir):
 
 def test_lm_eval_postprocessing_differs_where_longbench_does(data_dir):
     lm = CannedLM({"Q-trec-1": "\nLocation\nNumber", "Q-trec-2": "Number or Location"})
-    scores, _ = evaluate_longbench(lm, LongBenchConfig(subsets=("trec",), data_dir=str(data_dir),
+    scores, _, _ = evaluate_longbench(lm, LongBenchConfig(subsets=("trec",), data_dir=str(data_dir),
                                                        official_postprocess=False))
     assert scores["trec"] == pytest.approx((0.5 + 0.5) / 2)  # "Location\nNumber" matches two classes
 
@@ -123,7 +123,7 @@ def test_tiny_model_end_to_end_with_middle_truncation(tmp_path):
     torch.set_num_threads(1)
     try:
         lm = EvalLM(model.eval(), tokenizer, window=256)
-        scores, meta = evaluate_longbench(lm, LongBenchConfig(subsets=("passage_count", "hotpotqa"), data_dir=str(data)))
+        scores, meta, _ = evaluate_longbench(lm, LongBenchConfig(subsets=("passage_count", "hotpotqa"), data_dir=str(data)))
     finally:
         torch.set_num_threads(threads)
     assert meta["truncated_prompts"] == 2 and meta["window"] == 256

@@ -115,3 +115,38 @@ def test_invalid_config_exits_before_loading(tmp_path):
     assert result.returncode != 0
     assert "svd.d_kv" in result.stderr + result.stdout
     assert not list(tmp_path.glob("smoke/*/results.json"))
+
+
+def local_cfg(tmp_path, folder, *extra: str):
+    """A runner config for a local model folder, shape facts left to its config.json (conf/model/local.yaml)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            "+experiment=smoke", "model=local", f"model.id={folder}", "train=none", "eval=none",
+            f"results_dir={tmp_path}", *extra])
+
+
+def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
+    """An original model folder and a saved MLA conversion: shape facts from config.json, the conversion's
+    settings from its own config (not converted again), records like every other run."""
+    from mha2mla_exp.mla import convert_to_mla
+    from mha2mla_exp.models import build_random_model
+    from mha2mla_exp.runner.config import ConfigError
+
+    model, tokenizer = build_random_model({"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                                     "num_kv_heads": 2, "head_dim": 16, "rope_base": 10000,
+                                                     "context_length": 512}, "vocab_size": 320})
+    for name, saved in (("plain", model), ("mla", convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4))):
+        saved.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+
+    plan = validate(local_cfg(tmp_path / "runs", tmp_path / "plain", "variant=original"))
+    assert (plan.shape.num_layers, plan.shape.num_kv_heads, plan.shape.head_dim, plan.spec) == (2, 2, 16, None)
+    with pytest.raises(ConfigError, match="variant=mla"):
+        validate(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=original"))
+
+    record = run(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=mla"))
+    assert record["status"] == "ok" and record["variant"] == "partial_rope+svd"
+    assert {k: record["mla"][k] for k in ("rope", "r", "svd", "d_kv")} == {"rope": "high", "r": 2, "svd": "joint",
+                                                                        "d_kv": 4}
+    assert record["kv"]["ratio_measured"] == pytest.approx((2 * 2 + 4) / (2 * 16))   # the saved latent's bytes
+    assert record["train"] is None and record["eval"]["perplexity"]["heldout"] > 1

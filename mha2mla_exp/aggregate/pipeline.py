@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from . import plots
-from .records import canonical_runs, load_runs, training_curves, variant_label
-from .render import write_table
+from . import comparisons, plots
+from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
+from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 
 
@@ -65,6 +65,16 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
+# experiment -> suite: every pair of their rows gets a table (REPORT.md cites them)
+PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "passkey_nope": "long_context"}
+TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
+
+
+def _our_tasks(table) -> list[str]:
+    """The per-task score columns of a long-context table (passkey@L)."""
+    return [c for c in table.columns if c.startswith("passkey@") and "_" not in c]
+
+
 PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "distill_token_passes", "convert_s", "distill_s",
                       "train_s", "kv_mem_change_pct", "heldout_ppl")
 
@@ -81,12 +91,43 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    tables = out_dir / "tables"
     for name, table in aggregate.tables.items():
         spec = TABLES[name]
-        note = spec.note if aggregate.n_ok else spec.note + " No run records were found: the *_ours columns are empty."
-        written += write_table(table, out_dir / "tables", name, spec.title, note)
+        note = spec.note + (" Ours in percentage points; ± and [ ] are 95% intervals (paired bootstrap over the "
+                            "same docs, or unpaired binomial where a run has no per-document results); "
+                            "'not resolved': the interval contains 0. Full numbers: " + name + ".csv."
+                            if aggregate.n_ok else " No run records were found: our columns are empty.")
+        tables.mkdir(parents=True, exist_ok=True)
+        table.to_csv(tables / f"{name}.csv", index=False)
+        written.append(tables / f"{name}.csv")
+        written += write_views(tables, name, {"": main_view(table, spec.by_precision, spec.with_kv_memory)},
+                               spec.title, note)
+        scores, deltas = task_views(table, TASK_COLUMNS.get(name) or _our_tasks(table), spec.suite == "commonsense")
+        written += write_views(tables, f"{name}_tasks", {"Scores, ours / paper": scores,
+                                                         "Δ vs baseline [95% CI]": deltas},
+                               spec.title + ", per task", note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
+    for experiment, suite in PAIRWISE_EXPERIMENTS.items():
+        pairs = comparisons.pairwise(aggregate.runs, experiment, suite)
+        if len(pairs):
+            tasks = list(COMMONSENSE) if suite == "commonsense" else _our_tasks(pairs)
+            pairs.to_csv(tables / f"{experiment}.csv", index=False)
+            written += [tables / f"{experiment}.csv"] + write_views(
+                tables, experiment, pairwise_views(pairs, tasks),
+                f"Experiment {experiment}: every pair of its rows on the same docs",
+                "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
+                "(resampled within each task); 'not resolved': the interval contains 0.")
+    check = comparisons.dtype_check(aggregate.runs)
+    if len(check):
+        check.to_csv(tables / "dtype_check.csv", index=False)
+        written += [tables / "dtype_check.csv"] + write_views(
+            tables, "dtype_check", {"": dtype_view(check, list(COMMONSENSE_PARTS))},
+            "The same model on the same docs, evaluated in two dtypes",
+            "same answers: documents whose scored choice (argmax of length-normalised log-likelihood; Winogrande: "
+            "of log-likelihood) is the same in both dtypes, per task in %; Δ: the other dtype's Avg minus FP32's, "
+            "paired bootstrap 95% interval.")
     view = perplexity_view(aggregate.runs)
     written += write_table(view, out_dir / "tables", "perplexity",
                            "Held-out perplexity and the compute behind it, every ok run",

@@ -11,6 +11,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .records import variant_label
+from .render import eval_docs_label
 
 AVG_LABEL = "Avg commonsense score (points)"
 _LONG_CONTEXT_KEY = re.compile(r"^long_context\.(?P<task>.+)@(?P<length>\d+)$")
@@ -29,36 +30,72 @@ def _ours_name(ours_model, model) -> str:
     return f"ours: {ours_model}" if ours_model == model else f"ours: {ours_model} ({model})"
 
 
+def _series_name(group: pd.DataFrame, model) -> str:
+    """One series of ours: a model at one budget on one doc sample."""
+    first = group.iloc[0]
+    docs = eval_docs_label(first)
+    return f"{_ours_name(first['ours_model'], model)}, {int(first['train_tokens']):,} tokens" + (f", {docs}" if docs else "")
+
+
 def _empty_note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
+_SERIES = ["ours_model", "train_tokens", "eval_sample", "eval_dtype"]
+
+
+def _ours_series(rows: pd.DataFrame):
+    """Our rows grouped into series: one per (model, budget, eval sample, eval dtype)."""
+    ours = rows[rows["n_seeds"].fillna(0) > 0]
+    if not len(ours):
+        return []
+    keys = ours[_SERIES].astype(object).where(ours[_SERIES].notna(), "").astype(str).agg("|".join, axis=1)
+    return list(ours.groupby(keys, sort=False))
+
+
+def _errors(points: pd.DataFrame) -> np.ndarray:
+    low = (points["y"] - points["low"]).clip(lower=0).fillna(0)
+    high = (points["high"] - points["y"]).clip(lower=0).fillna(0)
+    return np.vstack([low.to_numpy(), high.to_numpy()])
+
+
 def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> Figure:
-    """Avg against KV memory (% of MHA) per model: Table 1's fine-tuned baseline and MLA rows, ours solid,
-    the paper's dashed. The baseline sits at 100% by definition (it caches full K/V); an MLA row whose
-    memory was not measured is left out rather than placed by formula."""
-    figure = Figure(figsize=(7, 4.5))
+    """Avg against KV memory (% of MHA) per model: the paper's fine-tuned baseline and MLA rows dashed; ours
+    one line per budget (fine-tune tokens), doc sample and conversion options, with 95% whiskers. Each line
+    starts at its budget's baseline (the full-attention fine-tune; the original model for 0 tokens), at
+    100% by definition; an MLA row whose memory was not measured is left out rather than placed by formula.
+    With runs of ours, only their models' paper lines are drawn."""
+    figure = Figure(figsize=(8, 5))
     ax = figure.add_subplot()
-    rows = table1[table1["method"].isin(["finetuned_full_attention", "partial_rope+svd"])]
-    if models is not None:
-        rows = rows[rows["model"].isin(models)]
-    colors = {}
-    for model in rows["model"].dropna().unique():
-        color = colors.setdefault(model, f"C{len(colors)}")
+    rows = table1 if models is None else table1[table1["model"].isin(models)]
+    ours_models = rows.loc[rows["n_seeds"].fillna(0) > 0, "model"].dropna().unique()
+    n_ours = 0
+    for m, model in enumerate(ours_models if len(ours_models) else rows["model"].dropna().unique()):
         in_model = rows[rows["model"] == model]
-        # a paper row repeats once per of our models matched to it
-        points = _memory_points(in_model.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"]), "paper")
+        paper = in_model[in_model["method"].isin(["finetuned_full_attention", "partial_rope+svd"])]
+        paper = paper.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"])
+        points = _memory_points(paper, "paper")
         if len(points):
-            ax.plot(points["x"], points["y"], marker="o", mfc="none", ls="--", color=color, label=f"paper: {model}")
-        for ours_model, group in in_model.dropna(subset=["ours_model"]).groupby("ours_model", sort=False):
-            points = _memory_points(group, "ours")
-            if len(points):
-                ax.plot(points["x"], points["y"], marker="s", color=color, label=_ours_name(ours_model, model))
+            ax.plot(points["x"], points["y"], marker="o", mfc="none", ls="--", color="black" if len(ours_models)
+                    else f"C{m}", alpha=1.0 / (1 + m), label=f"paper: {model} (2.25B tokens)")
+        for _, group in _ours_series(in_model):
+            tokens = group["train_tokens"].iloc[0]
+            base = group[group["method"] == ("finetuned_full_attention" if tokens else "original")]
+            mla = group[group["method"] == "partial_rope+svd"]
+            for options, converted in mla.groupby(mla["options"].fillna(""), sort=True):
+                series = pd.concat([base, converted])
+                points = _memory_points(series, "ours")
+                if len(points):
+                    name = _series_name(series, model) + (f", {options}" if options else "")
+                    # a small sideways offset per line, so that whiskers at one memory size stay apart
+                    ax.errorbar(points["x"] + 0.7 * n_ours, points["y"], yerr=_errors(points), marker="s", capsize=3,
+                                color=f"C{n_ours}", label=name)
+                    n_ours += 1
     ax.set_xlabel("KV cache memory (% of MHA)")
     ax.set_ylabel(AVG_LABEL)
-    ax.set_title("Compression vs performance (Table 1)")
-    if ax.lines:
-        ax.legend(fontsize="small")
+    ax.set_title("Compression vs performance (Table 1); whiskers: 95% intervals")
+    if ax.lines or ax.containers:
+        ax.legend(fontsize="x-small")
     else:
         _empty_note(ax, "no Table 1 rows with both memory and Avg")
     ax.grid(alpha=0.3)
@@ -66,10 +103,14 @@ def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> F
 
 
 def _memory_points(rows: pd.DataFrame, source: str) -> pd.DataFrame:
-    memory = rows[f"kv_mem_change_pct_{source}"].astype(float)
-    memory = memory.where(~(memory.isna() & (rows["method"] == "finetuned_full_attention")), 0.0)
-    points = pd.DataFrame({"x": 100.0 + memory, "y": rows[f"avg_{source}"].astype(float)}).dropna()
-    return points.sort_values("x")
+    suffix = "_paper" if source == "paper" else ""
+    memory = pd.to_numeric(rows[f"kv_mem_change_pct{suffix}"], errors="coerce").astype(float)
+    memory = memory.where(~(memory.isna() & rows["method"].isin(["finetuned_full_attention", "original"])), 0.0)
+    points = pd.DataFrame({"x": 100.0 + memory, "y": pd.to_numeric(rows[f"avg{suffix}"], errors="coerce")})
+    if source == "ours":
+        points["low"] = pd.to_numeric(rows["avg_low"], errors="coerce")
+        points["high"] = pd.to_numeric(rows["avg_high"], errors="coerce")
+    return points.dropna(subset=["x", "y"]).sort_values("x")
 
 
 def _strategy_name(row) -> str:
@@ -79,12 +120,13 @@ def _strategy_name(row) -> str:
 
 
 def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -> Figure:
-    """Table 3 as bars: Avg per partial-RoPE strategy (with and without SVD), ours beside the paper's, one
-    panel per model; horizontal lines mark each side's fine-tuned full-attention Avg."""
+    """Table 3 as bars: Avg per partial-RoPE strategy (with and without SVD), the paper's beside ours (one
+    series per budget and doc sample, 95% whiskers), one panel per model; horizontal lines mark each
+    series' full-attention fine-tune."""
     rows = table3 if models is None else table3[table3["model"].isin(models)]
-    strategies = rows[rows["method"].isin(["partial_rope", "partial_rope+svd"])]
+    strategies = rows[rows["method"].isin(["partial_rope", "partial_rope+svd"]) & rows["options"].isna()]
     model_names = list(strategies["model"].dropna().unique())
-    figure = Figure(figsize=(max(6, 5 * len(model_names)), 4.5))
+    figure = Figure(figsize=(max(6, 6 * len(model_names)), 4.5))
     if not model_names:
         _empty_note(figure.add_subplot(), "no Table 3 rows")
         return figure
@@ -92,29 +134,38 @@ def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -
     for ax, model in zip(axes, model_names):
         in_model = strategies[strategies["model"] == model].assign(strategy=lambda f: f.apply(_strategy_name, axis=1))
         categories = list(dict.fromkeys(in_model["strategy"]))
-        series = {"paper": in_model.groupby("strategy", sort=False)["avg_paper"].first()}
-        for ours_model, group in in_model.dropna(subset=["ours_model"]).groupby("ours_model", sort=False):
-            series[_ours_name(ours_model, model)] = group.groupby("strategy", sort=False)["avg_ours"].mean()
+        series = {"paper": (in_model.groupby("strategy", sort=False)["avg_paper"].first(), None)}
+        for _, group in _ours_series(in_model):
+            if group["avg"].notna().any():
+                by = group.groupby("strategy", sort=False)
+                series[_series_name(group, model)] = (by["avg"].first(), (by["avg_low"].first(), by["avg_high"].first()))
         width = 0.8 / len(series)
         x = np.arange(len(categories))
-        for i, (label, values) in enumerate(series.items()):
+        for i, (label, (values, interval)) in enumerate(series.items()):
             heights = values.reindex(categories).astype(float).to_numpy()
-            ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=label,
+            yerr = None
+            if interval is not None:
+                low, high = (v.reindex(categories).astype(float).to_numpy() for v in interval)
+                yerr = np.nan_to_num(np.vstack([heights - low, high - heights]))
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=label, yerr=yerr, capsize=2,
                    color="lightgrey" if label == "paper" else f"C{i - 1}", edgecolor="black", linewidth=0.5)
         baselines = rows[(rows["model"] == model) & (rows["method"] == "finetuned_full_attention")]
-        for source, style in (("paper", "--"), ("ours", "-")):
-            values = baselines[f"avg_{source}"].dropna().unique()
-            if len(values) == 1:
-                ax.axhline(values[0], color="black", ls=style, lw=1, label=f"{source}: FT full attention")
-        heights = pd.concat([in_model["avg_paper"], in_model["avg_ours"], baselines["avg_paper"],
-                             baselines["avg_ours"]]).astype(float).dropna()
+        paper_base = baselines["avg_paper"].dropna().unique()
+        if len(paper_base) == 1:
+            ax.axhline(paper_base[0], color="black", ls="--", lw=1, label="paper: FT full attention")
+        for i, (_, group) in enumerate(_ours_series(baselines)):
+            if group["avg"].notna().any():
+                ax.axhline(group["avg"].iloc[0], color="black", ls="-", lw=1, alpha=0.4 + 0.6 / (i + 1),
+                           label=f"FT full attention, {int(group['train_tokens'].iloc[0]):,} tokens")
+        heights = pd.concat([in_model["avg_paper"], in_model["avg_low"], in_model["avg_high"], baselines["avg_paper"],
+                             baselines["avg"]]).astype(float).dropna()
         if len(heights):
             ax.set_ylim(heights.min() - 3, heights.max() + 2)   # the differences are a few points
         ax.set_xticks(x, categories, rotation=30, ha="right")
         ax.set_xlabel("partial-RoPE strategy")
         ax.set_ylabel(AVG_LABEL)
         ax.set_title(f"{model} (Table 3)")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small")
     figure.tight_layout()
     return figure
 
@@ -154,7 +205,10 @@ def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
         if not match:
             continue
         for _, run in ok[ok[column].notna()].iterrows():
-            rows.append({"label": variant_label(run), "run_dir": run["run_dir"], "task": match["task"],
+            docs = (run.get("eval_docs") or {}).get(f"{match['task']}@{match['length']}") \
+                if isinstance(run.get("eval_docs"), dict) else None
+            label = variant_label(run) + (f" ({docs} docs/length)" if docs else "")  # other doc samples: other lines
+            rows.append({"label": label, "run_dir": run["run_dir"], "task": match["task"],
                          "length": int(match["length"]), "score": float(run[column])})
     return pd.DataFrame(rows, columns=["label", "run_dir", "task", "length", "score"])
 
@@ -179,7 +233,7 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
     ax.set_ylabel("long-context score (%)")
     ax.set_title("Long-context score vs context length")
     if ax.lines:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small")
     else:
         _empty_note(ax, "no long-context results")
     ax.grid(alpha=0.3)

@@ -17,7 +17,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from ..evaluation.samples import SAMPLES_FILE
+
 COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+COMMONSENSE_PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored
 LONGBENCH = (
     "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
     "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
@@ -28,8 +31,14 @@ METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope
 # and tells which of our runs follow the paper's default recipe when a run's config does not say.
 PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
 
-# Columns that identify one configuration: runs that agree on all of them (e.g. seeds) are averaged.
-CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "precision", "train_tokens")
+# A table row is a (configuration, budget, evaluation sample) triple: runs that agree on all of these and
+# differ only in their seed are one row (mean and spread over seeds); anything else is a row of its own.
+CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "distill_token_passes",
+               "kv_quant", "kv_grouping", "data")
+BUDGET_KEYS = ("train_tokens",)
+EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
+ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
+UNQUANTIZED = "unquantized"
 # MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
 DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform"}
 
@@ -135,11 +144,57 @@ def _points(value):
 
 
 def precision_label(backend, nbits) -> str:
-    """The paper's Table 2 name for a KV-cache precision. "BF16" is its name for an unquantized cache."""
+    """The paper's Table 2 name for a KV-cache quantization ("Int4 HQQ"), or "unquantized"."""
     if backend is None and nbits is None:
-        return "BF16"
+        return UNQUANTIZED
     names = {"hqq": "HQQ", "quanto": "Quanto"}
     return f"Int{_as_int(nbits) if nbits is not None else '?'} {names.get(str(backend).lower(), backend)}"
+
+
+def dtype_label(dtype) -> str | None:
+    """'float32' -> 'FP32', 'bfloat16' -> 'BF16' (the tables' spelling of a real dtype)."""
+    names = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
+    return None if dtype is None else names.get(str(dtype).removeprefix("torch."), str(dtype))
+
+
+def kv_grouping(record: dict, quantized: bool, converted: bool) -> str | None:
+    """How the quantized cache groups values: the record's kv_quant.grouping; records made before it
+    existed quantized the MLA latent along tokens and the original model with transformers' QuantizedCache."""
+    if not quantized:
+        return None
+    return _get(record, "kv_quant.grouping", default="tokens" if converted else "transformers")
+
+
+def eval_sample(record: dict, suite: str) -> str | None:
+    """Which documents a run's `suite` (commonsense | long_context | longbench) was scored on, as text: two runs with
+    the same text saw the same docs; None when the suite did not run."""
+    meta = f"eval.meta.{suite}."
+    if suite == "commonsense" and _get(record, "eval.commonsense.avg", "eval.commonsense.mmlu") is not None:
+        offline = "offline" if str(_get(record, meta + "source", default="offline")).startswith("offline") else "online"
+        return (f"limit={_get(record, meta + 'limit', 'eval.commonsense.limit')} "
+                f"mmlu_limit={_get(record, meta + 'mmlu_limit')} {_get(record, meta + 'sample')} "
+                f"seed={_get(record, meta + 'seed')} {offline}")
+    if suite == "long_context" and _get(record, meta + "lengths") is not None:
+        return (f"lengths={_get(record, meta + 'lengths')} depths={_get(record, meta + 'depths')} "
+                f"x{_get(record, meta + 'samples_per_depth')} seed={_get(record, meta + 'seed')}")
+    if suite == "longbench" and _get(record, "eval.longbench.avg") is not None:
+        return (f"longbench limit={_get(record, 'eval.longbench.limit', meta + 'limit')} "
+                f"{_get(record, meta + 'sample')} seed={_get(record, meta + 'seed')}")
+    return None
+
+
+def eval_docs(record: dict) -> dict[str, int]:
+    """Docs scored per score column (commonsense columns, passkey@L)."""
+    out = {}
+    for task in COMMONSENSE_PARTS:
+        n = _as_int(_get(record, f"eval.meta.commonsense.n_docs.{task}"))
+        if n:
+            out[task] = n
+    lc = "eval.meta.long_context."
+    depths, per_depth = _get(record, lc + "depths"), _as_int(_get(record, lc + "samples_per_depth"))
+    for length in _get(record, lc + "lengths") or []:
+        out[f"passkey@{length}"] = len(depths) * per_depth
+    return out
 
 
 def method_of(variant, rope, svd, trained: bool) -> str:
@@ -164,8 +219,11 @@ def canonical_run(record: dict) -> dict:
     full_model = method in ("original", "finetuned_full_attention")
     head_dim = _as_int(_get(record, "config.model.shape.head_dim", "config.model.head_dim", "model.head_dim",
                             default=PAPER_HEAD_DIM.get(paper_model)))
+    kv_quant = precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits"))
+    run_dir = record.get("run_dir")
+    samples = Path(run_dir) / SAMPLES_FILE if run_dir else None
     row = {
-        "run_dir": record.get("run_dir"),
+        "run_dir": run_dir,
         "experiment": _get(record, "experiment"),
         "run_name": _get(record, "run_name"),
         "status": _get(record, "status", default="unknown"),
@@ -180,10 +238,24 @@ def canonical_run(record: dict) -> dict:
         "svd": "none" if full_model else svd,
         "d_kv": None if full_model else _as_int(_get(record, "mla.d_kv")),
         "options": None if full_model else options_label(record),
-        "precision": precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits")),
-        "train_tokens": _as_int(train_tokens),
-        "kv_mem_change_pct": _get(record, "kv.mem_change_pct"),
+        "kv_quant": kv_quant,
+        "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
+        "kv_dtype": dtype_label(_get(record, "kv.dtype", "eval.kv_cache.dtype")),
+        # the cache of the evaluation's generation tasks where there were any (long prompts), else the
+        # runner's one-prefill measurement
+        "kv_bytes_per_token": _get(record, "eval.kv_cache.bytes_per_token_measured", "kv.bytes_per_token_measured"),
+        "data": _get(record, "config.data.name"),
+        "seed": _as_int(_get(record, "config.seed")),
+        "train_tokens": _as_int(train_tokens) or 0,
+        "kv_mem_change_pct": _get(record, "eval.kv_cache.mem_change_pct", "kv.mem_change_pct"),
+        "eval_sample_commonsense": eval_sample(record, "commonsense"),
+        "eval_sample_long_context": eval_sample(record, "long_context"),
+        "eval_sample_longbench": eval_sample(record, "longbench"),
+        # the dtype the lm-eval suites ran in; records before eval.dtype existed ran in the model's (kv.dtype)
+        "eval_dtype": dtype_label(_get(record, "eval.meta.dtype", "kv.dtype")),
+        "eval_docs": eval_docs(record) or None,
         "eval_limit": _get(record, "eval.commonsense.limit"),
+        "samples_file": str(samples) if samples is not None and samples.is_file() else None,
         # compute spent and the cheap always-on score, for the recovery view
         "heldout_ppl": _get(record, "eval.perplexity.heldout"),
         "distill_token_passes": _as_int(_get(record, "distill.token_passes")),
@@ -197,6 +269,8 @@ def canonical_run(record: dict) -> dict:
         easy, challenge = (_get(record, f"eval.commonsense.arc_{p}") for p in ("easy", "challenge"))
         if easy is not None and challenge is not None:
             row["arc"] = _points((float(easy) + float(challenge)) / 2)
+    for part in ("arc_easy", "arc_challenge"):
+        row[part] = _points(_get(record, f"eval.commonsense.{part}"))
     row["avg"] = _points(_get(record, "eval.commonsense.avg"))
     for key, value in record.items():
         for section in ("longbench", "long_context"):
@@ -220,7 +294,7 @@ def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
     """The canonical frame of a flat frame, one row per run, in the same order."""
     rows = [canonical_run({k: v for k, v in rec.items()}) for rec in flat.to_dict("records")]
     frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=list(canonical_run({}).keys()))
-    for column in ("r", "d_kv", "train_tokens", "head_dim", "distill_token_passes"):
+    for column in ("r", "d_kv", "train_tokens", "head_dim", "distill_token_passes", "seed"):
         frame[column] = pd.array(frame[column], dtype="Int64")
     return frame
 
@@ -242,8 +316,8 @@ def variant_label(row) -> str:
         text += f" ({row['options']})"
     if not pd.isna(row.get("distill_token_passes", None)):
         text += " + layer-wise distillation"
-    if row.get("precision") not in (None, "BF16"):
-        text += f" {row['precision']}"
+    if row.get("kv_quant") not in (None, UNQUANTIZED):
+        text += f" {row['kv_quant']}" + (" (transformers' groups)" if row.get("kv_grouping") == "transformers" else "")
     return f"{row['ours_model']}: {text}"
 
 

@@ -9,7 +9,7 @@ from importlib import resources
 
 import pandas as pd
 
-from .records import LONGBENCH, PAPER_HEAD_DIM, method_of
+from .records import LONGBENCH, PAPER_HEAD_DIM, UNQUANTIZED, method_of
 
 # Table 2 names models by size only; Tables 1/3/5 by size and family.
 _LONGBENCH_MODEL = {"7B": "7B Llama2", "1B7": "1B7 SmolLM", "360M": "360M SmolLM", "135M": "135M SmolLM"}
@@ -53,7 +53,8 @@ def paper_commonsense() -> pd.DataFrame:
             "r": _resolve_r(rec["r"], rec["model"]),
             "svd": "none" if full_model else rec["svd"],
             "d_kv": None if full_model or rec["d_kv"] == "" else int(rec["d_kv"]),
-            "precision": "BF16",
+            "kv_quant": UNQUANTIZED,
+            "kv_dtype": "BF16",
             "kv_mem_change_pct": _number(rec["kv_mem_change_pct"]),
             "avg": _number(rec["avg"]),
         }
@@ -80,7 +81,9 @@ def paper_longbench() -> pd.DataFrame:
             "r": None if original else _resolve_r("d_h/16", model),
             "svd": "none" if original else "joint",
             "d_kv": None if original else int(rec["d_kv"]),
-            "precision": rec["precision"],
+            # the paper's caches are BF16, quantized or not: "BF16" in its CSV means unquantized
+            "kv_quant": UNQUANTIZED if rec["precision"] == "BF16" else rec["precision"],
+            "kv_dtype": "BF16",
             "kv_mem_change_pct": _number(rec["kv_mem_change_pct"]),
             "longbench.avg": _number(rec["avg"]),
         }

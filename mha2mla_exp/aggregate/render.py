@@ -1,4 +1,5 @@
-"""Write a table as CSV, Markdown and LaTeX. Empty cells are written empty, never as "nan"."""
+"""Tables on disk: the full frame as CSV; for a reader, a compact main view and a per-task view, as
+Markdown and LaTeX. Empty cells are written empty, never as "nan"."""
 
 from __future__ import annotations
 
@@ -6,11 +7,147 @@ from pathlib import Path
 
 import pandas as pd
 
+TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA",
+              "winogrande": "WG"}
+
+
+def _missing(value) -> bool:
+    return value is None or (not isinstance(value, (str, dict, list)) and pd.isna(value))
+
+
+def _num(value, digits: int = 1) -> str:
+    return "" if _missing(value) else f"{float(value):.{digits}f}".replace("-", "−")
+
+
+def _interval(estimate, low, high) -> str:
+    if _missing(estimate):
+        return ""
+    if _missing(low):
+        return _num(estimate)
+    return f"{_num(estimate)} [{_num(low)}, {_num(high)}]"
+
+
+def _tokens(value) -> str:
+    return "" if _missing(value) else f"{int(value):,}"
+
+
+def row_label(row) -> str:
+    """A row's configuration in words: "FT full attention", "2-norm r=4, joint SVD d_kv=16 (init=activation)"."""
+    method = row.get("method")
+    if method == "original":
+        text = "original"
+    elif method == "finetuned_full_attention":
+        text = "FT full attention"
+    elif method == "partial_rope":
+        text = "NoPE (r=0)" if row.get("rope") == "none" else f"{row.get('rope')} r={_int(row.get('r'))}"
+    else:
+        text = f"{row.get('rope')} r={_int(row.get('r'))}, {row.get('svd')} SVD d_kv={_int(row.get('d_kv'))}"
+    if isinstance(row.get("options"), str):
+        text += f" ({row['options']})"
+    if not _missing(row.get("distill_token_passes")):
+        text += " + layer-wise distillation"
+    return text
+
+
+def _int(value) -> str:
+    return "?" if _missing(value) else str(int(value))
+
+
+def eval_docs_label(row) -> str:
+    """The docs a row was scored on and the dtype they ran in: "50/task, MMLU 57 · FP32"."""
+    docs = row.get("eval_docs")
+    if not isinstance(docs, dict) or not docs:
+        return ""
+    if "mmlu" in docs or "piqa" in docs:
+        per_task = max(v for k, v in docs.items() if k != "mmlu") if len(docs) > 1 else None
+        text = ", ".join(p for p in (f"{per_task}/task" if per_task else "",
+                                     f"MMLU {docs['mmlu']}" if "mmlu" in docs else "") if p)
+    else:
+        text = f"{max(docs.values())}/length"
+    return f"{text} · {row['eval_dtype']}" if isinstance(row.get("eval_dtype"), str) else text
+
+
+def _seeds(row) -> str:
+    n = row.get("n_seeds")
+    if _missing(n) or not n:
+        return ""
+    sd = row.get("avg_seed_sd")
+    return f"{int(n)}" + ("" if _missing(sd) else f" (sd {_num(sd)})")
+
+
+def _avg(row) -> str:
+    if _missing(row.get("avg")):
+        return ""
+    low, high = row.get("avg_low"), row.get("avg_high")
+    return _num(row["avg"]) if _missing(low) else f"{_num(row['avg'])} ± {_num((high - low) / 2)}"
+
+
+def _kv_cache(row) -> str:
+    quant = row.get("kv_quant")
+    dtype = "" if _missing(row.get("kv_dtype")) else row["kv_dtype"]
+    if quant in (None, "unquantized"):
+        return dtype
+    details = [d for d in (dtype, f"{row['kv_grouping']} groups" if isinstance(row.get("kv_grouping"), str) else "") if d]
+    return f"{quant} ({'; '.join(details)})" if details else quant
+
+
+def main_view(table: pd.DataFrame, by_precision: bool = False, with_kv_memory: bool = False) -> pd.DataFrame:
+    """Avg, delta vs baseline with its 95% interval, budget, docs, seeds, the paper's Avg and delta beside."""
+    models = table["ours_model"].dropna().unique()
+    rows = table if not len(models) else table[table["model"].isin(table.loc[table["ours_model"].notna(), "model"])]
+    out = []
+    for row in rows.to_dict("records"):
+        line = {}
+        if rows["model"].nunique() > 1:
+            line["model"] = row.get("model") or ""
+        line["row"] = row_label(row)
+        if by_precision:
+            line["KV cache"] = _kv_cache(row)
+            line["KV B/token"] = "" if _missing(row.get("kv_bytes_per_token")) else f"{row['kv_bytes_per_token']:,.0f}"
+        line["tokens"] = _tokens(row.get("train_tokens")) if row.get("n_seeds") else ""
+        line["eval docs"] = eval_docs_label(row)
+        line["seeds"] = _seeds(row)
+        if with_kv_memory:
+            line["KV mem %"] = _num(row.get("kv_mem_change_pct"), 2)
+        line["Avg ±95%"] = _avg(row)
+        line["Δ [95% CI]"] = _interval(row.get("avg_delta"), row.get("avg_delta_low"), row.get("avg_delta_high"))
+        line["vs"] = row.get("vs") or ""
+        line["CI"] = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}.get(row.get("ci"), "")
+        line["verdict"] = row.get("verdict") if row.get("n_seeds") else ""
+        if "longbench_avg" in table and table["longbench_avg"].notna().any():
+            line["LongBench Avg"] = _num(row.get("longbench_avg"))
+        line["paper Avg"] = _num(row.get("avg_paper"), 2)
+        line["paper Δ"] = _num(row.get("avg_delta_paper"), 2)
+        if with_kv_memory:
+            line["paper KV mem %"] = _num(row.get("kv_mem_change_pct_paper"), 2)
+        out.append({k: ("" if _missing(v) else v) for k, v in line.items()})
+    return pd.DataFrame(out)
+
+
+def task_views(table: pd.DataFrame, tasks: list[str], paper_tasks: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per task: (ours / paper scores, our deltas with their 95% intervals), rows of ours only."""
+    ours = table[table["n_seeds"].fillna(0) > 0]
+    scores, deltas = [], []
+    for row in ours.to_dict("records"):
+        head = {"row": row_label(row), "tokens": _tokens(row.get("train_tokens")), "eval docs": eval_docs_label(row)}
+        if isinstance(row.get("kv_quant"), str) and row["kv_quant"] != "unquantized":
+            head["row"] += f", {_kv_cache(row)}"
+        score, delta = dict(head), dict(head)
+        for task in tasks:
+            name = TASK_NAMES.get(task, task)
+            paper = row.get(f"{task}_paper") if paper_tasks else None
+            score[name] = _num(row.get(task)) + ("" if _missing(paper) else f" / {_num(paper, 2)}")
+            delta[name] = _interval(row.get(f"{task}_delta"), row.get(f"{task}_delta_low"), row.get(f"{task}_delta_high"))
+        delta["vs"] = row.get("vs") or ""
+        scores.append(score)
+        deltas.append(delta)
+    return pd.DataFrame(scores), pd.DataFrame(deltas)
+
 
 def display_frame(table: pd.DataFrame) -> pd.DataFrame:
-    """Every cell as text: floats with the paper's two decimals, missing values as ''."""
+    """Every cell as text: floats with two decimals, missing values as ''."""
     def cell(value):
-        if value is None or (not isinstance(value, str) and pd.isna(value)):
+        if _missing(value):
             return ""
         if isinstance(value, float):
             return f"{value:.2f}"
@@ -21,6 +158,8 @@ def display_frame(table: pd.DataFrame) -> pd.DataFrame:
 
 def to_markdown(table: pd.DataFrame) -> str:
     text = display_frame(table)
+    if not len(text.columns):
+        return "(no rows)"
     try:
         return text.to_markdown(index=False, disable_numparse=True)
     except ImportError:  # pandas needs the optional `tabulate` for this; a plain pipe table says the same
@@ -35,6 +174,9 @@ def _pipe_table(text: pd.DataFrame) -> str:
 
 def to_latex(table: pd.DataFrame) -> str:
     text = display_frame(table)
+    if not len(text.columns):
+        return "% no rows\n"
+    text = text.apply(lambda column: column.str.replace("−", "-", regex=False))
     try:
         return text.to_latex(index=False, escape=True)
     except ImportError:  # pandas needs the optional `jinja2` for this
@@ -52,12 +194,48 @@ def _tabular(text: pd.DataFrame) -> str:
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}", ""])
 
 
-def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", note: str = "") -> list[Path]:
-    """`name`.csv, `name`.md and `name`.tex under `out_dir`; returns the paths written."""
+def write_views(out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "", note: str = "") -> list[Path]:
+    """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.csv", out_dir / f"{name}.md", out_dir / f"{name}.tex"]
-    table.to_csv(paths[0], index=False)
+    paths = [out_dir / f"{name}.md", out_dir / f"{name}.tex"]
     header = [f"# {title}" if title else "", note]
-    paths[1].write_text("\n\n".join(part for part in header if part) + "\n\n" + to_markdown(table) + "\n")
-    paths[2].write_text(to_latex(table))
+    body = [(f"## {heading}\n\n" if heading else "") + to_markdown(view) for heading, view in views.items()]
+    paths[0].write_text("\n\n".join(part for part in header + body if part) + "\n")
+    paths[1].write_text("\n".join((f"% {heading}\n" if heading else "") + to_latex(view)
+                                  for heading, view in views.items()))
     return paths
+
+
+def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", note: str = "") -> list[Path]:
+    """`name`.csv, `name`.md and `name`.tex under `out_dir` showing `table` as it is."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / f"{name}.csv", index=False)
+    return [out_dir / f"{name}.csv"] + write_views(out_dir, name, {"": table}, title, note)
+
+
+def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFrame]:
+    """The headline comparison: each pair's Avg difference with its interval, then per task."""
+    main, per_task = [], []
+    for row in pairs.to_dict("records"):
+        head = {"B": row["B"], "A": row["A"], "eval docs": row["eval docs"]}
+        main.append(head | {"Avg B": _avg(row), "Avg A": _num(row["A avg"]),
+                            "Δ B − A [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"]),
+                            "CI": {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}.get(row.get("ci"), ""),
+                            "verdict": row.get("verdict") or ""})
+        per_task.append({"B": row["B"], "A": row["A"]} | {
+            TASK_NAMES.get(t, t): _interval(row.get(f"{t}_delta"), row.get(f"{t}_delta_low"), row.get(f"{t}_delta_high"))
+            for t in tasks})
+    return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
+
+
+def dtype_view(check: pd.DataFrame, tasks: list[str]) -> pd.DataFrame:
+    """Per model: the share of documents whose scored answer is the same in both dtypes, and the scores."""
+    out = []
+    for row in check.to_dict("records"):
+        line = {"model": row["model"], "eval docs": row["eval docs"], "dtype vs FP32": row["dtype"],
+                "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)"}
+        line |= {TASK_NAMES.get(t, t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
+        line |= {"Avg FP32": _num(row["avg FP32"]), "Avg": _num(row["avg"]),
+                 "Δ [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"])}
+        out.append(line)
+    return pd.DataFrame(out)

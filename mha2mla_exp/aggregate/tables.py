@@ -1,38 +1,57 @@
-"""The paper's Tables 1, 2, 3 and 5, with our runs beside its numbers.
+"""The paper's Tables 1, 2, 3 and 5, our runs beside its numbers, every number of ours with its uncertainty.
 
-Every table is built the same way: pick the rows that belong to it (ours and the paper's), average our runs
-of one configuration (`n_runs` says how many), join both on the configuration, and add the deltas the paper
-prints: Avg minus the same model's baseline row (the fine-tuned full-attention model; for Table 2 the
-unquantized original, the only baseline that table has). Cells without a number stay empty.
+A row of ours is one (configuration, budget, evaluation sample) triple (`records.ROW_KEYS`): fine-tune
+tokens and the documents scored are columns, so runs that differ in either are never merged. Runs that
+differ only in their seed are one row: the mean over seeds, their spread, and each seed counted once.
+
+Every row is compared with its baseline on the same documents:
+- Tables 1, 3, 5: a converted model against the full-attention model fine-tuned on the same tokens (the
+  original model when neither was fine-tuned); the full-attention fine-tune against the original;
+- Table 2: every row against the original model with an unquantized cache (the paper's convention).
+The baseline must share the model, data, evaluation sample and evaluation dtype; otherwise there is no
+delta. With per-document results on both sides the interval is a paired bootstrap (`paired.py`); without,
+an unpaired binomial one, marked so. A delta whose 95% interval contains 0 is "not resolved".
+The paper's deltas are computed by the same rule from its own rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
 
-from .records import COMMONSENSE, CONFIG_KEYS, LONGBENCH, METHODS, PAPER_HEAD_DIM
+from . import paired
+from .records import COMMONSENSE, LONGBENCH, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
 from .reference import paper_commonsense, paper_longbench
 
 UNCONVERTED = ("original", "finetuned_full_attention")
+KV_QUANT_ORDER = (UNQUANTIZED, "Int4 HQQ", "Int4 Quanto", "Int2 HQQ", "Int2 Quanto")
+NOT_RESOLVED = "not resolved"
 
 
 @dataclass(frozen=True)
 class TableSpec:
     name: str
     title: str
-    id_columns: tuple[str, ...]
-    metrics: dict[str, str]            # canonical column -> column stem in the table
-    select: Callable[[pd.DataFrame], pd.Series]
-    baseline_method: str
+    suite: str                                   # commonsense | long_context: where our score comes from
+    select: Callable[[pd.DataFrame], pd.Series]  # rows (ours and the paper's) that belong to the table
+    paper_score: str                             # the paper's headline column: avg | longbench.avg
+    paper_tasks: tuple[str, ...]
+    by_precision: bool = False                   # rows per KV quantization; baseline the unquantized original
     with_kv_memory: bool = False
-    ours_extras: dict[str, str] = field(default_factory=dict)   # canonical column -> table column (ours only)
+    extras: dict[str, str] = field(default_factory=dict)  # canonical column -> table column: ours, mean over
+    #                                                       seeds, no interval (a row may have only these)
     note: str = ""
 
+    @property
+    def score(self) -> str:
+        return "avg" if self.suite == "commonsense" else "long_context.avg"
 
+
+# ---------------------------------------------------------------- which rows belong where
 def _head_dim(frame: pd.DataFrame) -> pd.Series:
     known = frame["model"].map(PAPER_HEAD_DIM)
     if "head_dim" in frame:
@@ -50,17 +69,20 @@ def _default_r(frame):
 
 
 def _unquantized(frame):
-    return frame["precision"] == "BF16"
+    return frame["kv_quant"] == UNQUANTIZED
+
+
+def _table1_mla(frame):
+    return (frame["method"] == "partial_rope+svd") & (frame["rope"] == "2-norm") & (frame["svd"] == "joint") \
+        & _default_r(frame)
 
 
 def _select_table1(frame):
-    mla = (frame["method"] == "partial_rope+svd") & (frame["rope"] == "2-norm") & (frame["svd"] == "joint")
-    return _unquantized(frame) & (frame["method"].isin(UNCONVERTED) | (mla & _default_r(frame)))
+    return _unquantized(frame) & (frame["method"].isin(UNCONVERTED) | _table1_mla(frame))
 
 
 def _select_table2(frame):
-    mla = (frame["method"] == "partial_rope+svd") & (frame["rope"] == "2-norm") & (frame["svd"] == "joint")
-    return frame["method"].isin(UNCONVERTED) | (mla & _default_r(frame))
+    return frame["method"].isin(UNCONVERTED) | _table1_mla(frame)
 
 
 def _select_table3(frame):
@@ -72,157 +94,356 @@ def _select_table3(frame):
 
 
 def _select_table5(frame):
-    return _unquantized(frame) & frame["method"].isin(("finetuned_full_attention", "partial_rope"))
+    return _unquantized(frame) & frame["method"].isin(UNCONVERTED + ("partial_rope",))
 
 
-_COMMONSENSE_METRICS = {"avg": "avg", **{task: task for task in COMMONSENSE}}
-_ID = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options")
-
+_BASELINE_NOTE = ("Baseline (column vs): a converted model against the full-attention model fine-tuned on the same "
+                  "tokens (the original when neither was fine-tuned); the full-attention fine-tune against the "
+                  "original. ")
 TABLES = {
     "table1": TableSpec(
-        "table1", "Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv",
-        _ID, _COMMONSENSE_METRICS, _select_table1, "finetuned_full_attention", with_kv_memory=True,
-        ours_extras={"train_tokens": "train_tokens_ours", "eval_limit": "eval_limit_ours"},
-        note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. avg_delta = Avg minus the same model's "
-             "fine-tuned full-attention row."),
+        "table1", "Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv", "commonsense",
+        _select_table1, "avg", COMMONSENSE, with_kv_memory=True,
+        note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + _BASELINE_NOTE),
     "table2": TableSpec(
-        "table2", "Table 2: LongBench by KV-cache precision and d_kv",
-        ("model", "ours_model", "context", "method", "rope", "r", "svd", "d_kv", "options", "precision"),
-        {"longbench.avg": "avg", **{f"longbench.{task}": task for task in LONGBENCH}},
-        _select_table2, "original", with_kv_memory=True,
-        ours_extras={"long_context.avg": "long_context_avg_ours"},
-        note="precision BF16 = KV cache not quantized. avg_delta = Avg minus the same model's unquantized "
-             "original row. long_context_avg_ours is our own long-context probe (no paper counterpart)."),
+        "table2", "Table 2: long context by KV-cache precision", "long_context", _select_table2, "longbench.avg",
+        LONGBENCH, by_precision=True, with_kv_memory=True, extras={"longbench.avg": "longbench_avg"},
+        note="Ours: passkey retrieval (offline long-context suite; LongBench Avg beside where a run has it), the "
+             "paper's: LongBench. Every row against the "
+             "same model family's original with an unquantized cache. KV bytes are measured (residual "
+             "full-precision tokens and quantization scales included); the paper's KV memory is nominal, "
+             "against a BF16 cache."),
     "table3": TableSpec(
-        "table3", "Table 3: partial-RoPE strategies, without and with SVD (joint vs split)",
-        _ID, _COMMONSENSE_METRICS, _select_table3, "finetuned_full_attention",
-        note="r = d_h/16; SVD rows at d_kv = d_h/4. avg_delta = Avg minus the same model's fine-tuned "
-             "full-attention row."),
+        "table3", "Table 3: partial-RoPE strategies, without and with SVD (joint vs split)", "commonsense",
+        _select_table3, "avg", COMMONSENSE,
+        note="r = d_h/16; SVD rows at d_kv = d_h/4. " + _BASELINE_NOTE),
     "table5": TableSpec(
-        "table5", "Table 5: partial-RoPE strategies by r",
-        ("model", "ours_model", "method", "rope", "r", "options"), _COMMONSENSE_METRICS, _select_table5,
-        "finetuned_full_attention",
-        note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. avg_delta = Avg minus it."),
+        "table5", "Table 5: partial-RoPE strategies by r", "commonsense", _select_table5, "avg", COMMONSENSE,
+        note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + _BASELINE_NOTE),
 }
 
 
-def _key(frame: pd.DataFrame) -> pd.Series:
-    """The configuration a row stands for, as text; the unconverted model has no RoPE/SVD settings."""
-    def one(row):
-        if row["method"] in UNCONVERTED:
-            parts = (row["model"], row["method"], row["precision"])
+# ---------------------------------------------------------------- rows of ours
+def _text(value) -> str:
+    return "" if _missing(value) else str(value)
+
+
+def _key(row: dict, columns) -> tuple:
+    return tuple(_text(row.get(c)) for c in columns)
+
+
+@lru_cache(maxsize=256)
+def _samples(path: str) -> pd.DataFrame:
+    from ..evaluation.samples import samples_frame
+
+    return samples_frame(path)
+
+
+def _passkey_columns(columns) -> list[str]:
+    lengths = sorted({c for c in columns if c.startswith("long_context.passkey@")}, key=lambda c: int(c.rsplit("@", 1)[1]))
+    return [c.removeprefix("long_context.") for c in lengths]
+
+
+def _score_spec(spec: TableSpec, runs: pd.DataFrame) -> paired.ScoreSpec:
+    """The table's score columns (for the long-context suite: every length any run has)."""
+    if spec.suite == "commonsense":
+        return paired.commonsense_spec()
+    return paired.mean_spec(_passkey_columns(runs.columns))
+
+
+def _row_spec(spec: TableSpec, record: dict) -> paired.ScoreSpec:
+    """One row's score: the long-context Avg is the mean over the lengths that row was evaluated at."""
+    if spec.suite == "commonsense":
+        return paired.commonsense_spec()
+    return paired.mean_spec(_passkey_columns(k for k, v in record.items() if not _missing(v)))
+
+
+def _missing(value) -> bool:
+    return value is None or (not isinstance(value, (list, dict, str)) and pd.isna(value))
+
+
+def _ours_column(spec: TableSpec, name: str) -> str:
+    """The canonical-frame column of a score column (`avg`, `mmlu`, `passkey@1024`)."""
+    if spec.suite == "commonsense":
+        return name
+    return f"long_context.{name}"
+
+
+@dataclass
+class Row:
+    key: dict
+    runs: list[dict]                       # one per seed
+    scores: dict[str, float] = field(default_factory=dict)      # points, mean over seeds
+    intervals: dict[str, paired.Interval] = field(default_factory=dict)   # of the scores, points
+    values: pd.DataFrame | None = None     # per-document values (seed means), fractions
+    se: dict[str, float] = field(default_factory=dict)          # binomial, fractions
+    spec: paired.ScoreSpec | None = None   # how its per-document values make its scores
+
+    @property
+    def seeds(self) -> list:
+        return [r.get("seed") for r in self.runs]
+
+
+def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
+    """Our runs as rows: one per (configuration, budget, eval sample), seeds counted once, with scores and
+    their intervals."""
+    sample = ours[f"eval_sample_{spec.suite}"]
+    for extra in spec.extras:   # a row scored only on an extra (LongBench) is keyed by that suite's docs
+        sample = sample.fillna(ours[f"eval_sample_{extra.split('.')[0]}"])
+    ours = ours.assign(eval_sample=sample)
+    scored = ours[spec.score].notna()
+    for extra in spec.extras:
+        scored |= ours[extra].notna()
+    ours = ours[ours["eval_sample"].notna() & scored]
+    rows: dict[tuple, Row] = {}
+    records = ours.assign(_has_samples=ours["samples_file"].notna()).sort_values(
+        ["_has_samples", "run_dir"], ascending=[False, True]).to_dict("records")
+    for record in records:
+        key = _key(record, ROW_KEYS)
+        row = rows.setdefault(key, Row(key={c: record.get(c) for c in ROW_KEYS}, runs=[]))
+        if _text(record.get("seed")) in {_text(s) for s in row.seeds}:
+            continue  # the same seed twice (e.g. the same run with a probe): one measurement, counted once
+        row.runs.append(record)
+    for row in rows.values():
+        score_spec = row.spec = _row_spec(spec, row.runs[0])
+        columns = {name: _ours_column(spec, name) for name in score_spec.reported} | {v: k for k, v in spec.extras.items()}
+        for name, column in columns.items():
+            values = [r.get(column) for r in row.runs]
+            values = [float(v) for v in values if v is not None and not pd.isna(v)]
+            if len(values) == len(row.runs):
+                row.scores[name] = float(np.mean(values))
+        if "avg" not in row.scores:
+            continue
+        if all(r.get("samples_file") for r in row.runs):
+            frames = [_samples(r["samples_file"]) for r in row.runs]
+            row.values = paired.doc_values([f[f["suite"] == spec.suite] for f in frames], score_spec)
+            row.intervals = {k: _points(v) for k, v in paired.bootstrap_scores(row.values, score_spec).items()}
         else:
-            parts = (row["model"], row["method"], row["rope"], row["r"], row["svd"], row["d_kv"], row["precision"])
-        return "|".join("" if pd.isna(p) else str(p) for p in parts)
-    return frame.apply(one, axis=1) if len(frame) else pd.Series([], dtype=object)
+            fractions = {c: row.scores[c] / 100 for c in score_spec.metric if c in row.scores}
+            row.se = paired.binomial_se(fractions, row.runs[0].get("eval_docs") or {}, score_spec)
+            row.intervals = {k: _points(paired.binomial_interval(row.scores[k] / 100, se)) for k, se in row.se.items()}
+    return list(rows.values())
 
 
-def _average_ours(ours: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
-    """One row per configuration: the mean of its runs' numbers and how many runs there were."""
-    value_columns = list(spec.metrics) + list(spec.ours_extras) + ["kv_mem_change_pct"]
-    value_columns = [c for c in dict.fromkeys(value_columns) if c not in CONFIG_KEYS]
-    keys = list(CONFIG_KEYS)
-    if ours.empty:
-        return pd.DataFrame(columns=keys + value_columns + ["head_dim", "n_runs"])
-    numbers = ours[value_columns].apply(pd.to_numeric, errors="coerce").astype(float)
-    frame = pd.concat([ours[keys + ["head_dim"]], numbers], axis=1)
-    grouped = frame.groupby(keys, dropna=False, sort=False)
-    averaged = grouped[value_columns].mean()
-    averaged["head_dim"] = grouped["head_dim"].first()
-    averaged["n_runs"] = grouped.size()
-    return averaged.reset_index()
+def _points(interval: paired.Interval) -> paired.Interval:
+    return paired.Interval(100 * interval.estimate, 100 * interval.low, 100 * interval.high, interval.kind)
 
 
-def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """One table from the canonical runs (`records.canonical_runs`) and the paper's rows for it."""
-    ours = runs[(runs["status"] == "ok")] if len(runs) else runs
+def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
+    """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
+    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None, "distill_token_passes": None,
+                "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0}
+    if spec.by_precision:
+        if key["method"] == "original" and key["kv_quant"] == UNQUANTIZED:
+            return None
+        return key | original
+    if key["method"] == "original":
+        return None
+    if key["method"] == "finetuned_full_attention" or not key["train_tokens"]:
+        return key | original
+    return key | original | {"method": "finetuned_full_attention", "train_tokens": key["train_tokens"]}
+
+
+def _describe_baseline(key: dict) -> str:
+    name = {"original": "original", "finetuned_full_attention": "FT full attention"}.get(key["method"], key["method"])
+    return f"{name} @ {int(key['train_tokens']):,}" if key["train_tokens"] else name
+
+
+def delta(row: Row, base: Row) -> dict[str, paired.Interval]:
+    """Row minus baseline, every reported column, in points: paired when both have per-document results on
+    the same docs, unpaired binomial when neither or one has them; empty when their docs differ."""
+    score_spec = row.spec
+    if score_spec is None or score_spec != base.spec:
+        return {}
+    if row.values is not None and base.values is not None:
+        if not paired.same_documents(row.values, base.values):
+            return {}
+        return {k: _points(v) for k, v in paired.paired_bootstrap(row.values, base.values, score_spec).items()}
+    ses = (row.se or _se_from_intervals(row), base.se or _se_from_intervals(base))
+    out = {}
+    for name in score_spec.reported:
+        if name not in row.scores or name not in base.scores:
+            continue
+        if name in ses[0] and name in ses[1]:
+            out[name] = _points(paired.unpaired_difference(row.scores[name] / 100, ses[0][name],
+                                                           base.scores[name] / 100, ses[1][name]))
+        else:  # a record without doc counts (e.g. from W&B): the difference, but no interval
+            out[name] = paired.Interval(row.scores[name] - base.scores[name], np.nan, np.nan, "none")
+    return out
+
+
+def _se_from_intervals(row: Row) -> dict[str, float]:
+    """A bootstrap interval read as a normal one (for an unpaired comparison with a run without per-doc results)."""
+    return {k: (v.high - v.low) / 2 / paired.Z95 / 100 for k, v in row.intervals.items()}
+
+
+# ---------------------------------------------------------------- the table
+def _paper_key(row: dict) -> tuple:
+    """What a row of ours shares with its paper row: the configuration, not the budget or the docs (nor our
+    conversion options); the unconverted model has no RoPE/SVD settings (Table 5 prints r=32 on it)."""
+    if row.get("method") in UNCONVERTED:
+        return _key(row, ("model", "method", "kv_quant"))
+    return _key(row, ("model", "method", "rope", "r", "svd", "d_kv", "kv_quant"))
+
+
+def _paper_deltas(paper: pd.DataFrame, all_paper: pd.DataFrame, spec: TableSpec) -> pd.Series:
+    """The paper's delta by the same baseline rule, the baselines looked up among all its rows of the model."""
+    lookup = {}
+    for record in all_paper.to_dict("records"):
+        lookup.setdefault(_paper_key(record), record.get(spec.paper_score))
+    out = []
+    for record in paper.to_dict("records"):
+        base_key = _baseline_key({c: record.get(c) for c in ROW_KEYS} | {"train_tokens": 1}, spec)
+        base = None if base_key is None else lookup.get(_paper_key(base_key))
+        value = record.get(spec.paper_score)
+        out.append(np.nan if base is None or pd.isna(base) or pd.isna(value) else value - base)
+    return pd.Series(out, index=paper.index, dtype=float)
+
+
+def _verdict(row: Row, base_key: dict | None, base: Row | None, delta: dict) -> str | None:
+    if "avg" not in row.scores:
+        return None  # scored on an extra only (e.g. LongBench): no interval, no verdict
+    if base_key is None:
+        return "reference"
+    if base is None:
+        return "no baseline"
+    if "avg" not in delta:
+        return "no baseline: other docs"
+    if delta["avg"].resolved is None:
+        return "no interval"
+    if not delta["avg"].resolved:
+        return NOT_RESOLVED
+    return "higher" if delta["avg"].estimate > 0 else "lower"
+
+
+def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_paper: pd.DataFrame) -> pd.DataFrame:
+    """One table (the full frame written as CSV; `render` makes the compact views)."""
+    ours = runs[runs["status"] == "ok"] if len(runs) else runs
     if len(ours) and "distill_token_passes" in ours:
         # the paper's tables hold the paper's recipe; distilled runs are in the perplexity view and recovery plot
         ours = ours[ours["distill_token_passes"].isna()]
-    if len(ours):
-        ours = ours[spec.select(ours)]
-        measured = [c for c in list(spec.metrics) + list(spec.ours_extras) if c in ours]
-        ours = ours[ours[measured].notna().any(axis=1)] if measured else ours.iloc[0:0]
-    ours = _average_ours(ours, spec)
-    paper = paper[spec.select(paper)] if len(paper) else paper
+    ours = ours[spec.select(ours)] if len(ours) else ours
+    score_spec = _score_spec(spec, runs if len(runs) else pd.DataFrame())
+    rows = rows_of_ours(spec, ours) if len(ours) else []
+    by_key = {_key(r.key, ROW_KEYS): r for r in rows}
 
-    stems = dict(spec.metrics)
-    if spec.with_kv_memory:
-        stems = {"kv_mem_change_pct": "kv_mem_change_pct", **stems}
-    ours = ours.rename(columns={c: f"{s}_ours" for c, s in stems.items()} | spec.ours_extras)
-    paper = paper.rename(columns={c: f"{s}_paper" for c, s in stems.items()})
-    ours["_key"], paper["_key"] = _key(ours), _key(paper)
+    paper = paper[spec.select(paper)].copy() if len(paper) else paper
+    paper["avg_delta_paper"] = _paper_deltas(paper, all_paper, spec)
+    paper_by_key = {}
+    for record in paper.to_dict("records"):
+        paper_by_key.setdefault(_paper_key(record), record)
 
-    id_columns = [c for c in spec.id_columns if c not in ("ours_model", "options")]
-    paper_side = paper[["_key", "paper_order"] + [c for c in id_columns if c in paper]
-                       + [f"{s}_paper" for s in stems.values()]]
-    ours_side = ours[["_key", "ours_model", "options", "n_runs"] + [c for c in id_columns if c in ours]
-                     + list(spec.ours_extras.values()) + [f"{s}_ours" for s in stems.values()]]
-    table = paper_side.merge(ours_side, on="_key", how="outer", suffixes=("", "_from_ours"), sort=False)
-    for column in id_columns:
-        if f"{column}_from_ours" in table:
-            table[column] = table[column].combine_first(table.pop(f"{column}_from_ours"))
-    table["n_runs"] = table["n_runs"].fillna(0).astype(int)
-
-    table["avg_delta_ours"] = _deltas(table, "avg_ours", spec.baseline_method, ["model", "ours_model"])
-    table["avg_delta_paper"] = _deltas(table, "avg_paper", spec.baseline_method, ["model"])
-
-    table = _sorted(table)
-    metric_columns = []
-    for stem in stems.values():
-        metric_columns += [f"{stem}_ours", f"{stem}_paper"]
-        if stem == "avg":
-            metric_columns += ["avg_delta_ours", "avg_delta_paper"]
-    columns = list(spec.id_columns) + ["n_runs"] + list(spec.ours_extras.values()) + metric_columns
-    table = table[columns].reset_index(drop=True)
-    table[metric_columns] = table[metric_columns].astype(float).round(2)   # the paper's precision
-    for column in spec.ours_extras.values():   # token counts and eval limits are counts: keep them integers
-        values = pd.to_numeric(table[column], errors="coerce").astype(float)
-        if (values.dropna() % 1 == 0).all():
-            table[column] = pd.array(values.round(), dtype="Int64")
-        else:
-            table[column] = values.round(2)
+    records, matched = [], set()
+    for row in rows:
+        base_key = _baseline_key(row.key, spec)
+        base = None if base_key is None else by_key.get(_key(base_key, ROW_KEYS))
+        diff = delta(row, base) if base is not None else {}
+        pkey = _paper_key(row.key)
+        matched.add(pkey)
+        record = _identity(row.key, row.runs[0]) | _paper_cells(paper_by_key.get(pkey), spec)
+        record |= row_cells(row, diff, spec.score, _task_columns(spec, score_spec))
+        record |= {"vs": None if base_key is None else _describe_baseline(base_key),
+                   "verdict": _verdict(row, base_key, base, diff),
+                   "kv_mem_change_pct": row.runs[0].get("kv_mem_change_pct")}
+        record |= {column: row.scores.get(column) for column in spec.extras.values()}
+        records.append(record)
+    for key, paper_row in paper_by_key.items():   # the paper's rows we have no run for
+        if key not in matched:
+            records.append(_identity(paper_row, {}) | _paper_cells(paper_row, spec) | {"n_seeds": 0})
+    table = pd.DataFrame.from_records(records)
+    columns = _columns(spec, score_spec, table)
+    table = _sorted(table, spec)[columns].reset_index(drop=True)
+    floats = table.select_dtypes("float").columns
+    table[floats] = table[floats].round(4)   # points: 1e-4 is far below any interval; no float noise in the CSV
     return table
 
 
-def _deltas(table: pd.DataFrame, column: str, baseline_method: str, group: list[str]) -> pd.Series:
-    """Avg minus the group's baseline Avg; empty on the baseline itself and where the baseline is
-    missing or ambiguous (two different baseline values), so no delta is ever guessed."""
-    is_base = (table["method"] == baseline_method) & (table["precision"] == "BF16" if "precision" in table
-                                                      else True)
-    deltas = pd.Series(np.nan, index=table.index)
-    group_key = table[group].astype(object).fillna("").astype(str).agg("|".join, axis=1)
-    for members in table.groupby(group_key, sort=False).groups.values():
-        in_group = table.loc[members]
-        base_values = in_group.loc[is_base.loc[members] & in_group[column].notna(), column].unique()
-        if len(base_values) != 1:
-            continue
-        rows = [i for i in members if not is_base.loc[i]]
-        deltas.loc[rows] = table.loc[rows, column] - base_values[0]
-    return deltas
+def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> dict:
+    """A row's numbers: seeds, its Avg with interval and seed spread, the difference to its baseline with its
+    interval, and per task the score and the difference (points)."""
+    avg = row.intervals.get("avg")
+    seed_scores = [float(r[score]) for r in row.runs if not pd.isna(r.get(score))]
+    cells = {"n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds), "per_doc": row.values is not None,
+             "ci": diff["avg"].kind if "avg" in diff and diff["avg"].kind != "none" else None,
+             "avg": row.scores.get("avg"), "avg_low": avg.low if avg else None, "avg_high": avg.high if avg else None,
+             "avg_seed_sd": float(np.std(seed_scores, ddof=1)) if len(seed_scores) > 1 else None}
+    for name, prefix in [("avg", "avg_delta")] + [(t, f"{t}_delta") for t in tasks]:
+        if name != "avg":
+            cells[name] = row.scores.get(name)
+        interval = diff.get(name)
+        cells |= {prefix: interval.estimate if interval else None, f"{prefix}_low": interval.low if interval else None,
+                  f"{prefix}_high": interval.high if interval else None}
+    return cells
 
 
-def _text(column: pd.Series) -> pd.Series:
-    """Sortable text, '' for missing (a column can be all-missing floats when no run filled it)."""
-    return column.astype(object).where(column.notna(), "").astype(str)
+def _task_columns(spec: TableSpec, score_spec: paired.ScoreSpec) -> list[str]:
+    if spec.suite == "commonsense":
+        return list(COMMONSENSE)
+    return [c for c in score_spec.metric]
 
 
-def _sorted(table: pd.DataFrame) -> pd.DataFrame:
-    """The paper's row order; our rows without a paper counterpart after their model's paper rows."""
+def _identity(key: dict, run: dict) -> dict:
+    out = {c: key.get(c) for c in ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options",
+                                   "kv_quant", "kv_grouping", "data", "train_tokens", "eval_sample", "eval_dtype")}
+    out["kv_dtype"] = run.get("kv_dtype", key.get("kv_dtype"))
+    out["kv_bytes_per_token"] = run.get("kv_bytes_per_token")
+    out["eval_docs"] = run.get("eval_docs")
+    out["experiment"] = run.get("experiment")
+    out["paper_order"] = key.get("paper_order")
+    return out
+
+
+def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
+    paper_row = paper_row or {}
+    out = {"avg_paper": paper_row.get(spec.paper_score), "avg_delta_paper": paper_row.get("avg_delta_paper"),
+           "kv_mem_change_pct_paper": paper_row.get("kv_mem_change_pct"), "paper_order": paper_row.get("paper_order")}
+    prefix = "" if spec.suite == "commonsense" else "longbench."
+    for task in spec.paper_tasks:
+        out[f"{task}_paper"] = paper_row.get(prefix + task)
+    return out
+
+
+def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame) -> list[str]:
+    columns = ["model", "ours_model", "experiment", "method", "rope", "r", "svd", "d_kv", "options"]
+    if spec.by_precision:
+        columns += ["kv_quant", "kv_grouping", "kv_dtype", "kv_bytes_per_token"]
+    columns += ["data", "train_tokens", "eval_sample", "eval_docs", "eval_dtype", "n_seeds", "seeds", "per_doc",
+                "avg", "avg_low", "avg_high", "avg_seed_sd", "vs", "ci", "avg_delta", "avg_delta_low",
+                "avg_delta_high", "verdict", "avg_paper", "avg_delta_paper"]
+    if spec.with_kv_memory:
+        columns += ["kv_mem_change_pct", "kv_mem_change_pct_paper"]
+    columns += list(spec.extras.values())
+    for task in _task_columns(spec, score_spec):
+        columns += [task, f"{task}_delta", f"{task}_delta_low", f"{task}_delta_high"]
+    columns += [f"{task}_paper" for task in spec.paper_tasks]
+    for column in columns:
+        if column not in table:
+            table[column] = None
+    return columns
+
+
+def _sorted(table: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
+    """The paper's row order; ours at their paper row, by budget; ours without a paper row after their model's."""
+    if not len(table):
+        return table
     model_rank = table.groupby("model", dropna=False, sort=False)["paper_order"].transform("min")
     method_rank = table["method"].map({m: i for i, m in enumerate(METHODS)}).fillna(len(METHODS))
     order = pd.DataFrame({
-        "model_rank": model_rank.fillna(np.inf),
-        "model": _text(table["model"]),
-        "paper_order": table["paper_order"].fillna(np.inf),
+        "model_rank": model_rank.astype(float).fillna(np.inf),
+        "model": table["model"].map(_text),
+        "paper_order": table["paper_order"].astype(float).fillna(np.inf),
         "method_rank": method_rank,
-        "rope": _text(table["rope"]) if "rope" in table else "",
-        "r": table["r"].astype("Float64").fillna(-1) if "r" in table else 0,
-        "svd": _text(table["svd"]) if "svd" in table else "",
-        "d_kv": -table["d_kv"].astype("Float64").fillna(0) if "d_kv" in table else 0,
-        "precision": _text(table["precision"]) if "precision" in table else "",
-        "ours_model": _text(table["ours_model"]),
-        "options": _text(table["options"]),
+        "rope": table["rope"].map(_text),
+        "r": pd.to_numeric(table["r"], errors="coerce").fillna(-1),
+        "svd": table["svd"].map(_text),
+        "d_kv": -pd.to_numeric(table["d_kv"], errors="coerce").fillna(0),
+        "options": table["options"].map(_text),
+        "kv_quant": table["kv_quant"].map(lambda q: KV_QUANT_ORDER.index(q) if q in KV_QUANT_ORDER else 99),
+        "kv_grouping": table["kv_grouping"].map(_text),
+        "ours_model": table["ours_model"].map(_text),
+        "train_tokens": pd.to_numeric(table["train_tokens"], errors="coerce").fillna(-1),
+        "eval_sample": table["eval_sample"].map(_text),
+        "eval_dtype": table["eval_dtype"].map(_text),
     })
     return table.loc[order.sort_values(list(order.columns), kind="stable").index]
 
@@ -231,9 +452,13 @@ def build_tables(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """All four tables from the canonical runs; with no runs they hold the paper's numbers only."""
     commonsense, longbench = paper_commonsense(), paper_longbench()
     paper_rows = {
-        "table1": commonsense[commonsense["table"] == 1],
-        "table2": longbench,
-        "table3": commonsense[commonsense["table"] == 3],
-        "table5": commonsense[commonsense["table"] == 5],
+        "table1": (commonsense[commonsense["table"] == 1], commonsense),
+        "table2": (longbench, longbench),
+        "table3": (commonsense[commonsense["table"] == 3], commonsense),
+        "table5": (commonsense[commonsense["table"] == 5], commonsense),
     }
-    return {name: build_table(spec, runs, paper_rows[name].copy()) for name, spec in TABLES.items()}
+    return {name: build_table(spec, runs, paper_rows[name][0].copy(), paper_rows[name][1])
+            for name, spec in TABLES.items()}
+
+
+__all__ = ["TABLES", "TableSpec", "build_table", "build_tables", "NOT_RESOLVED"]

@@ -155,8 +155,8 @@ def aggregate(metrics: dict[str, dict], n_docs: dict[str, int], cfg: Commonsense
     return out
 
 
-def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict]:
-    """Run the suite on an lm-eval LM; returns (record scores incl. `limit`, metadata)."""
+def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[dict]]:
+    """Run the suite on an lm-eval LM; returns (record scores incl. `limit`, metadata, per-document rows)."""
     subjects = cfg.subjects  # unknown subjects / task names fail before any data is touched
     for col in cfg.tasks:
         task_names(col, False, subjects)
@@ -180,4 +180,6 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict]:
         "mmlu_subjects": len(subjects) if "mmlu" in cfg.tasks else None,
         "task_dir": str(include) if include else None,
     }
-    return scores, meta
+    column_of = {name: col for col in cfg.tasks for name in task_names(col, cfg.offline, subjects)}
+    rows = [{"suite": "commonsense", "column": column_of[row["task"]], **row} for row in run.rows]
+    return scores, meta, rows

@@ -1,8 +1,13 @@
 """KV caches for evaluation-time generation, and the bytes they actually hold.
 
-The MLA model caches (k_rope, c_kv) in `LatentCache` / `QuantizedLatentCache`; the original model
-uses transformers' `DynamicCache` / `QuantizedCache` (the paper's Table 2 baselines). Either way
-the evaluation builds the cache itself, so that it can read `cache_nbytes` after each call.
+The MLA model caches (k_rope, c_kv) in `LatentCache` / `QuantizedLatentCache`; the original model its
+keys and values in transformers' `DynamicCache`, quantized with *the same quantizer* as the latent
+(`grouping: tokens`, `mla.cache.QuantizedLatentLayer`: groups of `q_group_size` consecutive tokens
+within one channel), so that MHA-int4 against MLA-int4 compares architectures, not quantizers.
+`grouping: transformers` quantizes the original's cache with transformers' `QuantizedCache` defaults
+instead (the paper's Table 2 baselines: quanto groups 64 channels of one token; HQQ axis 0), labelled
+so in the record. Either way the evaluation builds the cache itself, so that it can read
+`cache_nbytes` after each call.
 """
 
 from __future__ import annotations
@@ -17,17 +22,29 @@ from ..mla.configuration import MLAConfig
 from ..mla.spec import MLASpec, ModelShape, kv_ratio
 
 
+GROUPINGS = ("tokens", "transformers")
+
+
 @dataclass(frozen=True)
 class KVQuant:
-    """KV-cache quantization as the paper ran it: HF QuantizedCache defaults but residual 128."""
+    """KV-cache quantization: the paper's bits, residual window and group size; `grouping` as above."""
 
     backend: str = "hqq"
     nbits: int = 4
     residual_length: int = 128
     q_group_size: int = 64
+    grouping: str = "tokens"
 
     def __post_init__(self):
         check_kv_quant(self.backend, self.nbits, self.q_group_size, self.residual_length)
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"kv_quant.grouping: {self.grouping!r}; expected one of {', '.join(GROUPINGS)}")
+
+    def check_model(self, converted: bool) -> None:
+        """transformers' QuantizedCache holds plain keys and values: the MLA latent has no such variant."""
+        if converted and self.grouping == "transformers":
+            raise ValueError("kv_quant.grouping: 'transformers' applies to the original model's K/V cache only; "
+                             "the MLA latent is quantized with grouping 'tokens'")
 
     @classmethod
     def from_cfg(cls, cfg) -> "KVQuant | None":
@@ -37,9 +54,9 @@ class KVQuant:
         cfg = dict(cfg)
         if cfg.get("backend") is None:  # conf/kv_quant/none.yaml: no quantization
             return None
-        unknown = set(cfg) - {"backend", "nbits", "residual_length", "q_group_size"}
+        unknown = set(cfg) - {"backend", "nbits", "residual_length", "q_group_size", "grouping"}
         if unknown:
-            raise ValueError(f"unknown kv_quant keys {sorted(unknown)}")
+            raise ValueError(f"kv_quant: unknown keys {sorted(unknown)}")
         return cls(**cfg)
 
     def to_dict(self) -> dict:
@@ -53,11 +70,13 @@ def is_mla(model) -> bool:
 def new_cache(model, kv_quant: KVQuant | None):
     """A fresh cache for one `generate` call of `model` (MLA or original)."""
     config = model.config
-    if is_mla(model):
-        if kv_quant is None:
-            return LatentCache()
+    if kv_quant is not None:
+        kv_quant.check_model(is_mla(model))
+    if kv_quant is not None and kv_quant.grouping == "tokens":  # the one quantizer, for latent and K/V alike
         return QuantizedLatentCache(config.num_hidden_layers, backend=kv_quant.backend, nbits=kv_quant.nbits,
                                     q_group_size=kv_quant.q_group_size, residual_length=kv_quant.residual_length)
+    if is_mla(model):
+        return LatentCache()
     from transformers import DynamicCache, QuantizedCache
 
     text_config = config.get_text_config(decoder=True)
@@ -113,6 +132,16 @@ def nominal_ratio(model, kv_quant: KVQuant | None, baseline_bits: int | None = N
     return ratio
 
 
+def cache_label(model, kv_quant: KVQuant | None) -> str:
+    """What held the cache, in words (the record's `cache` field)."""
+    held = "latent" if is_mla(model) else "K/V"
+    if kv_quant is None:
+        return "latent" if is_mla(model) else "transformers DynamicCache"
+    if kv_quant.grouping == "transformers":
+        return "transformers QuantizedCache"
+    return f"quantized {held}, groups of {kv_quant.q_group_size} tokens per channel"
+
+
 def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
     """The measured cache footprint next to the nominal ratio (the record's `kv` fields)."""
     measured = meter.bytes_per_token
@@ -128,8 +157,7 @@ def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
         "ratio_nominal_paper": nominal_ratio(model, kv_quant, baseline_bits=16),
         "mem_change_pct": None if ratio is None else 100.0 * (ratio - 1.0),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "cache": ("quantized latent" if is_mla(model) else "transformers QuantizedCache")
-        if kv_quant else ("latent" if is_mla(model) else "transformers DynamicCache"),
+        "cache": cache_label(model, kv_quant),
         "kv_quant": kv_quant.to_dict() if kv_quant else None,
         "generate_calls": meter.calls,
         "note": "measured with cache_nbytes() at the end of each generate call of the generation tasks "

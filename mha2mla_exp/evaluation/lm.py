@@ -37,8 +37,9 @@ class EvalLM(HFLM):
         if tokenizer.pad_token_id is None:  # batched generation pads on the left
             tokenizer.pad_token = tokenizer.eos_token
         # backend given: lm-eval's auto-detection does not know the registered `mha2mla` model type
+        # log-softmax in fp32: a bf16 model's log-likelihoods would otherwise be rounded to bf16 as well
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=window,
-                         device=str(model.device), backend="causal")
+                         device=str(model.device), backend="causal", softmax_dtype=torch.float32)
         self.kv_quant = kv_quant
         self.middle_truncation = middle_truncation
         self.kv_meter = CacheMeter()

@@ -207,15 +207,14 @@ def task_folder(tokenizer, cfg: LongContextConfig, texts=None) -> tuple[Path, di
 
 
 def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int | None = None,
-                          texts=None) -> tuple[dict, dict, dict]:
-    """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata)."""
+                          texts=None) -> tuple[dict, dict, dict, list[dict]]:
+    """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows)."""
     longest = max((*cfg.lengths, *cfg.ppl_lengths), default=0)
     window = window or lm.max_length
     if longest > window:
         raise ValueError(f"long-context length {longest} exceeds the evaluation window {window}")
     folder, passkey, ppl = task_folder(tokenizer, cfg, texts)
-    run = run_tasks(lm, [*passkey.values(), *ppl.values()], include_path=folder, include_defaults=False,
-                    log_samples=True)
+    run = run_tasks(lm, [*passkey.values(), *ppl.values()], include_path=folder, include_defaults=False)
     scores = {f"passkey@{L}": run.metrics[t]["acc"] for L, t in passkey.items()}
     if scores:
         scores["avg"] = sum(scores.values()) / len(scores)
@@ -230,4 +229,6 @@ def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int 
             "seed": cfg.seed, "by_depth": by_depth, "ppl_lengths": list(cfg.ppl_lengths), "ppl_docs": cfg.ppl_docs,
             "texts": "sotu asset" if cfg.texts is None else list(cfg.texts), "task_dir": str(folder),
             "ppl_sources": sorted({s["doc"]["source"] for t in ppl.values() for s in run.samples.get(t, [])})}
-    return scores, perplexities, meta
+    column_of = {t: f"passkey@{L}" for L, t in passkey.items()} | {t: f"longdoc@{L}" for L, t in ppl.items()}
+    rows = [{"suite": "long_context", "column": column_of[row["task"]], **row} for row in run.rows]
+    return scores, perplexities, meta, rows

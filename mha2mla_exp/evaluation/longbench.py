@@ -123,8 +123,8 @@ def check(cfg: LongBenchConfig) -> None:
     _lm_eval_metrics()
 
 
-def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict]:
-    """Returns (scores per subset + avg, metadata)."""
+def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]]:
+    """Returns (scores per subset + avg, metadata, per-document rows)."""
     check(cfg)
     folder = task_folder(cfg)
     names = {s: PREFIX + _safe(s) for s in cfg.subsets}
@@ -139,4 +139,6 @@ def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict]:
             "window": getattr(lm, "max_length", None),
             "truncated_prompts": getattr(lm, "truncated_prompts", None),
             "official_postprocess": cfg.official_postprocess, "task_dir": str(folder)}
-    return scores, meta
+    subset_of = {n: s for s, n in names.items()}
+    rows = [{"suite": "longbench", "column": subset_of[row["task"]], **row} for row in run.rows]
+    return scores, meta, rows

@@ -1,10 +1,16 @@
 """`run_evaluation`: the runner's single entry point; returns the record's `eval` block.
 
 `eval_cfg` (a plain mapping, e.g. a resolved conf/eval/*.yaml) has one section per suite, each with
-`enabled`; every section is validated before any model work starts. Suites: perplexity (held-out
-rows given by the caller, plus long-document perplexity from the long-context suite), commonsense,
-long_context, longbench. Generation tasks run on the cache that `kv_quant` selects and its measured
-bytes land in `kv_cache`; loglikelihood tasks use no cache.
+`enabled`, and `dtype`; every section is validated before any model work starts. Suites: perplexity
+(held-out rows given by the caller, plus long-document perplexity from the long-context suite),
+commonsense, long_context, longbench. Generation tasks run on the cache that `kv_quant` selects and its
+measured bytes land in `kv_cache`; loglikelihood tasks use no cache. Every lm-eval suite's per-document
+results are written to `samples_path` when given (`samples.py`).
+
+`dtype` (null: the model's own) is the precision the lm-eval suites run in: the model is cast to it in
+place after the held-out perplexity (which stays in the model's dtype, like the in-training probe), and
+log-softmax runs in fp32 either way. The record's `meta.dtype` and `meta.perplexity_dtype` state what ran.
+(The runner always passes a dtype: `eval.dtype` resolved, see runner.config.resolve_eval_dtype.)
 """
 
 from __future__ import annotations
@@ -16,17 +22,19 @@ from collections.abc import Mapping
 
 import torch
 
+from ..models import DTYPES
 from .commonsense import CommonsenseConfig
 from .kv import CacheMeter, KVQuant, kv_record
 from .long_context import LongContextConfig
 from .longbench import LongBenchConfig
 from .perplexity import perplexity
+from .samples import summary, write_samples
 
 log = logging.getLogger(__name__)
 
 SECTIONS = {"commonsense": CommonsenseConfig, "long_context": LongContextConfig, "longbench": LongBenchConfig}
 PERPLEXITY_KEYS = {"enabled", "batch_size", "max_batches"}
-TOP_KEYS = {"name", "perplexity", *SECTIONS}
+TOP_KEYS = {"name", "dtype", "perplexity", *SECTIONS}
 
 
 def _section(name: str, raw) -> tuple[bool, object]:
@@ -57,7 +65,11 @@ def parse_eval_config(eval_cfg: Mapping | None) -> dict:
     bad = set(ppl) - PERPLEXITY_KEYS
     if bad:
         raise ValueError(f"eval.perplexity: unknown key(s) {sorted(bad)}; known: {sorted(PERPLEXITY_KEYS)}")
-    out = {"perplexity": {"enabled": bool(ppl.get("enabled", True)), "batch_size": int(ppl.get("batch_size", 8)),
+    dtype = eval_cfg.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"eval.dtype: unknown {dtype!r}; expected null (the model's own) or one of {sorted(DTYPES)}")
+    out = {"dtype": DTYPES.get(dtype),
+           "perplexity": {"enabled": bool(ppl.get("enabled", True)), "batch_size": int(ppl.get("batch_size", 8)),
                           "max_batches": ppl.get("max_batches")}}
     for name in SECTIONS:
         enabled, cfg = _section(name, eval_cfg.get(name))
@@ -83,12 +95,14 @@ def held_out_batches(held_out, batch_size: int):
 
 
 def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None, kv_quant=None,
-                   window: int | None = None) -> dict:
+                   window: int | None = None, samples_path=None) -> dict:
     """Evaluate an in-memory causal LM (original or MLA); returns the run record's `eval` block.
 
     held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity.
     kv_quant: None or {backend, nbits, residual_length, q_group_size}: the cache of generation tasks.
     window: the evaluation window (the fine-tuning length); None: the model's context length.
+    samples_path: where the per-document results go (gzipped JSON lines); None: not written.
+    eval_cfg's `dtype` casts the model in place (see the module docstring).
     """
     from .lm import EvalLM
 
@@ -96,10 +110,15 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
     kv_quant = KVQuant.from_cfg(kv_quant)
     meter = CacheMeter()
     model.eval()
-    out: dict = {"perplexity": {}, "meta": {"kv_quant": kv_quant.to_dict() if kv_quant else None, "window": window}}
+    out: dict = {"perplexity": {}, "meta": {"kv_quant": kv_quant.to_dict() if kv_quant else None, "window": window,
+                                            "dtype": _dtype_name(model.dtype)}}
     timings = out["meta"]["seconds"] = {}
+    rows: list[dict] = []
 
     def lm_for(batch_size: int):
+        if cfg["dtype"] is not None and model.dtype != cfg["dtype"]:
+            model.to(cfg["dtype"])
+        out["meta"]["dtype"] = _dtype_name(model.dtype)
         lm = EvalLM(model, tokenizer, batch_size=batch_size, window=window, kv_quant=kv_quant)
         lm.kv_meter = meter  # one meter across suites
         return lm
@@ -111,6 +130,7 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
             log.warning("eval.perplexity is enabled but no held-out tokens were given: skipped")
             out["perplexity"]["heldout"] = None
         else:
+            out["meta"]["perplexity_dtype"] = _dtype_name(model.dtype)
             out["perplexity"]["heldout"] = perplexity(model, held_out_batches(held_out, p["batch_size"]),
                                                       max_batches=p["max_batches"])
         timings["perplexity"] = round(time.perf_counter() - t, 2)
@@ -118,28 +138,38 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
         from .commonsense import evaluate_commonsense
 
         t = time.perf_counter()
-        out["commonsense"], out["meta"]["commonsense"] = evaluate_commonsense(
+        out["commonsense"], out["meta"]["commonsense"], suite_rows = evaluate_commonsense(
             lm_for(cfg["commonsense"].batch_size), cfg["commonsense"])
+        rows += suite_rows
         timings["commonsense"] = round(time.perf_counter() - t, 2)
     if cfg["long_context"] is not None:
         from .long_context import evaluate_long_context
 
         t = time.perf_counter()
         lc = cfg["long_context"]
-        out["long_context"], ppl, out["meta"]["long_context"] = evaluate_long_context(
+        out["long_context"], ppl, out["meta"]["long_context"], suite_rows = evaluate_long_context(
             lm_for(lc.batch_size), tokenizer, lc, window=window)
         out["perplexity"].update(ppl)
+        rows += suite_rows
         timings["long_context"] = round(time.perf_counter() - t, 2)
     if cfg["longbench"] is not None:
         from .longbench import evaluate_longbench
 
         t = time.perf_counter()
-        out["longbench"], out["meta"]["longbench"] = evaluate_longbench(lm_for(cfg["longbench"].batch_size),
-                                                                        cfg["longbench"])
+        out["longbench"], out["meta"]["longbench"], suite_rows = evaluate_longbench(
+            lm_for(cfg["longbench"].batch_size), cfg["longbench"])
+        rows += suite_rows
         timings["longbench"] = round(time.perf_counter() - t, 2)
     out["kv_cache"] = kv_record(model, kv_quant, meter) if meter.calls else {
         "note": "no generation task ran: loglikelihood tasks (commonsense, perplexity) use no KV cache"}
+    if samples_path is not None and rows:
+        write_samples(rows, samples_path)
+        out["meta"]["samples"] = summary(rows)
     import lm_eval
 
     out["meta"]["lm_eval_version"] = getattr(lm_eval, "__version__", None)
     return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

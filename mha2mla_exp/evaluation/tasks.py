@@ -135,15 +135,18 @@ class TaskRun:
     metrics: dict[str, dict]  # task -> {"acc": .., "acc_norm": ..} (filter suffix dropped)
     n_docs: dict[str, int]  # task -> docs evaluated
     n_total: dict[str, int]  # task -> docs in the split
-    samples: dict[str, list[dict]] = field(default_factory=dict)  # task -> logged samples (if asked)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # task -> lm-eval's logged samples
     indices: dict[str, list[int] | None] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)  # per-document rows (samples.rows_from_lm_eval)
 
 
 def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults: bool = True,
-              limits: dict[str, int | None] | None = None, sample: str = "random", seed: int = 1234,
-              log_samples: bool = False) -> TaskRun:
-    """Evaluate leaf tasks 0-shot with lm-eval; `limits[task]` docs each (None: all), chosen by `sample`."""
+              limits: dict[str, int | None] | None = None, sample: str = "random", seed: int = 1234) -> TaskRun:
+    """Evaluate leaf tasks 0-shot with lm-eval; `limits[task]` docs each (None: all), chosen by `sample`.
+    Per-document results are always logged (`TaskRun.samples`, reduced to `TaskRun.rows`)."""
     import lm_eval
+
+    from .samples import rows_from_lm_eval
 
     tm = task_manager(include_path, include_defaults)
     missing = [t for t in task_names if t not in tm.all_subtasks]
@@ -161,7 +164,7 @@ def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults:
     with _global_rng_kept():  # lm-eval seeds python/numpy/torch (as its CLI does); the caller's streams survive
         out = lm_eval.simple_evaluate(
             model=lm, tasks=list(loaded.values()), task_manager=tm, num_fewshot=0,
-            samples=samples if use_samples else None, bootstrap_iters=0, log_samples=log_samples,
+            samples=samples if use_samples else None, bootstrap_iters=0, log_samples=True,
         )
     metrics = {}
     for name in loaded:
@@ -169,6 +172,7 @@ def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults:
         metrics[name] = {k.split(",")[0]: v for k, v in raw.items()
                          if "," in k and not k.split(",")[0].endswith("_stderr")}
     n_docs = {name: int(out["n-samples"][name]["effective"]) for name in loaded}
-    return TaskRun(metrics=metrics, n_docs=n_docs, n_total=n_total,
-                   samples=out.get("samples", {}) if log_samples else {},
-                   indices={k: (v if use_samples else None) for k, v in samples.items()})
+    logged = out.get("samples", {})
+    rows = [row for name, task in loaded.items() for row in rows_from_lm_eval(name, task, logged.get(name, []))]
+    return TaskRun(metrics=metrics, n_docs=n_docs, n_total=n_total, samples=logged,
+                   indices={k: (v if use_samples else None) for k, v in samples.items()}, rows=rows)

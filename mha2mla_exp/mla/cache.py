@@ -91,7 +91,9 @@ class QuantizedBlock:
 
 
 class QuantizedLatentLayer(QuantizedLayer):
-    """A latent cache layer quantized with quanto or HQQ, after transformers' `QuantizedLayer`.
+    """A latent cache layer quantized with quanto or HQQ, after transformers' `QuantizedLayer`. Nothing in it
+    is latent-specific: the evaluation quantizes the original model's keys and values with it too, so that
+    both sides of a KV-precision comparison use one quantizer.
 
     The most recent tokens (up to `residual_length`) stay in full precision; when the window
     fills, everything is re-quantized. Groups run along tokens within one channel (per-channel

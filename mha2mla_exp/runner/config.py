@@ -11,9 +11,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..data.sources import check_data_config, probe_hub_datasets
-from ..mla.cache import check_kv_quant
+from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
-from ..models import check_model_config, probe_architecture
+from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
 from ..train.precision import Precision, precision_for
 from .identity import digest, evaluation_identity, trained_identity
@@ -69,21 +69,30 @@ def validate(cfg: DictConfig) -> RunPlan:
     the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable."""
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
+    _check_source("model", check_model_config, cfg.model)
+    # a local folder's config.json: its shape facts when the config gives none, or a saved conversion
+    saved = folder_config(cfg.model.id) if cfg.model.get("source") == "local" else None
     try:
-        s = cfg.model.shape
+        s = cfg.model.shape if cfg.model.get("shape") is not None or saved is None else shape_of(saved)
         shape = ModelShape(
-            num_layers=int(s.num_layers), hidden_size=int(s.hidden_size), num_heads=int(s.num_heads),
-            num_kv_heads=int(s.num_kv_heads), head_dim=int(s.head_dim),
+            num_layers=int(s["num_layers"]), hidden_size=int(s["hidden_size"]), num_heads=int(s["num_heads"]),
+            num_kv_heads=int(s["num_kv_heads"]), head_dim=int(s["head_dim"]),
         )
     except Exception as err:  # missing keys, None, wrong types
         raise ConfigError(f"model.shape: incomplete shape facts for model {cfg.model.get('name')!r}: {err}") from err
-    _check_source("model", check_model_config, cfg.model)
+    saved_mla = getattr(saved, "model_type", None) == "mha2mla"
+    if saved_mla and cfg.variant != "mla":
+        raise ConfigError(f"variant: {cfg.model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
+                          "(its rope/svd settings are read from its config.json, not converted again)")
     _check_source("data", check_data_config, cfg.data)
     _check_eval(cfg.eval)
     notes = []
 
     spec = None
-    if cfg.variant == "mla":
+    if saved_mla:  # its spec as the conversion recorded it
+        kwargs = ("rope", "r", "svd", "d_kv", "score", "sigma", "init", "allocation")
+        spec = MLASpec.create(shape, **{k: saved.mla[k] for k in kwargs if k in saved.mla})
+    elif cfg.variant == "mla":
         r = cfg.rope.r if cfg.rope.r is not None else default_r(cfg.rope.strategy, shape.head_dim)
         try:
             spec = MLASpec.create(
@@ -97,12 +106,11 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     kv_quant = None
     if cfg.kv_quant.backend is not None:
-        q = cfg.kv_quant
-        try:
-            check_kv_quant(q.backend, q.nbits, q.get("q_group_size", 64), q.get("residual_length", 128))
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
         kv_quant = OmegaConf.to_container(cfg.kv_quant, resolve=True)
+        try:  # bits and group size for the backend, and the grouping for the architecture: before any training
+            KVQuant.from_cfg(kv_quant).check_model(converted=cfg.variant == "mla")
+        except ValueError as err:
+            raise ConfigError(str(err) if str(err).startswith("kv_quant") else f"kv_quant: {err}") from err
 
     fine_tune = bool(cfg.train.enabled) and cfg.variant != "original"
     distill = spec is not None and bool(cfg.distill.enabled)
@@ -152,12 +160,12 @@ def global_batch_rows(train_cfg) -> int:
 
 
 def resolve_eval_dtype(dtype: str | None, device_type: str) -> str:
-    """`auto`: bf16 on CUDA (as the paper evaluates), fp32 on CPU."""
+    """The lm-eval suites' dtype. `auto` (or null): bf16 on CUDA (as the paper evaluates), fp32 on CPU."""
     dtype = dtype or "auto"
     if dtype == "auto":
         return "bfloat16" if device_type == "cuda" else "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected auto, float32, bfloat16 or float16")
+    if dtype not in DTYPES:
+        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected auto, null or one of {', '.join(DTYPES)}")
     return dtype
 
 
@@ -279,7 +287,9 @@ def describe(plan: RunPlan, cfg: DictConfig) -> str:
     name = describe_trained(plan, cfg)
     if plan.kv_quant:
         head, _, seed = name.rpartition("__")
-        name = f"{head}__{plan.kv_quant['backend']}{plan.kv_quant['nbits']}__{seed}"
+        q = plan.kv_quant
+        grouping = "" if q.get("grouping", "tokens") == "tokens" else f"-{q['grouping']}"
+        name = f"{head}__{q['backend']}{q['nbits']}{grouping}__{seed}"
     return name
 
 

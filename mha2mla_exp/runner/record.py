@@ -108,7 +108,8 @@ def headline(record: dict) -> str:
                      f"({train['seconds']:.0f} s, {train['tokens_per_s']:.0f} tok/s, {train['precision']['mode']})")
     ppl = ((record.get("eval") or {}).get("perplexity") or {}).get("heldout")
     if ppl is not None:
-        lines.append(f"  held-out ppl (all eval rows, {record.get('eval_dtype', 'float32')}): {ppl:.2f}")
+        dtype = record["eval"].get("meta", {}).get("perplexity_dtype", "float32")
+        lines.append(f"  held-out ppl (all eval rows, {dtype}): {ppl:.2f}")
     cs = (record.get("eval") or {}).get("commonsense") or {}
     if "avg" in cs:
         se = commonsense_avg_se(record["eval"])

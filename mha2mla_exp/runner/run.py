@@ -102,7 +102,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
             if plan.trains and trained.metrics_path.exists():
                 shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
             write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-            _evaluate(cfg, plan, model, tokenizer, data, record)
+            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir)
         record["status"] = "ok"
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
@@ -284,12 +284,11 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
         record["conversion"] = model.config.conversion_facts()
 
 
-def _evaluate(cfg, plan, model, tokenizer, data, record) -> None:
+def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir) -> None:
     t = time.perf_counter()
-    model.to(getattr(torch, plan.eval_dtype))
-    record["eval_dtype"] = plan.eval_dtype
+    record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the model's own
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
-    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data)
+    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir)
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +34,10 @@ def load(cfg: DictConfig, plan: RunPlan, device: torch.device):
 
     dtype = cfg.model.get("dtype", "auto")
     if dtype == "auto":
-        dtype = "float32" if (plan.spec is not None or plan.trains) else plan.eval_dtype
+        # bf16 weights only where nothing is converted or trained and the device is a GPU: on CPU the held-out
+        # perplexity of every variant is measured in fp32, whatever dtype the suites run in
+        untouched = plan.spec is None and not plan.trains
+        dtype = plan.eval_dtype if untouched and plan.device_type == "cuda" else "float32"
     return load_model(cfg.model, device=device, dtype=dtype)
 
 
@@ -76,8 +80,9 @@ def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tens
 
 
 def convert(plan: RunPlan, model, calibration):
-    """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows."""
-    if plan.spec is None:
+    """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows and for a
+    saved MLA folder (already converted)."""
+    if plan.spec is None or getattr(model.config, "model_type", None) == "mha2mla":
         return model
     return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration)
 
@@ -128,15 +133,19 @@ def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     return record
 
 
-def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data) -> dict:
-    """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables."""
+def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None) -> dict:
+    """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables;
+    their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE)."""
     from ..evaluation import run_evaluation
+    from ..evaluation.samples import SAMPLES_FILE
 
     started = time.perf_counter()
     model.eval()
+    eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True) | {"dtype": plan.eval_dtype}
     result = run_evaluation(
-        model, tokenizer, OmegaConf.to_container(cfg.eval, resolve=True),
+        model, tokenizer, eval_cfg,
         held_out=data.held_out, kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
+        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE,
     )
     log.info("evaluation took %.1f s", time.perf_counter() - started)
     return result
