@@ -541,3 +541,26 @@ def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
     assert mla_vs_ft["ci"] == "paired bootstrap" and mla_vs_ft["avg_delta_high"] < 0
     ft_vs_original = pairs.loc[("FT full attention @ 32,768 tokens", "original")]
     assert ft_vs_original["avg_delta"] == pytest.approx(-10.0)
+
+
+def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_path):
+    from mha2mla_exp.aggregate.pipeline import write_aggregate
+    from mha2mla_exp.aggregate.zero_shot import zero_shot_table
+
+    def zero_shot(name, variant, ppl, mla=None, kv=0.0, tokens=None):
+        record = {"run_name": name, "experiment": "rorope_zero_shot", "status": "ok", "model": {"name": "smollm2-135m"},
+                  "variant": variant, "mla": mla, "kv_quant": None, "kv": {"mem_change_pct": kv, "dtype": "float32"},
+                  "train": {"tokens": tokens} if tokens else None, "eval": {"perplexity": {"heldout": ppl}}}
+        _write(tmp_path, name, record)
+
+    zero_shot("orig", "original", 30.0)
+    zero_shot("a", "partial_rope", 60.0, {"rope": "2-norm", "r": 4, "svd": "none"})
+    zero_shot("b", "partial_rope", 45.0, {"rope": "rorope", "r": 4, "svd": "none"})
+    zero_shot("c", "partial_rope+svd", 90.0, {"rope": "rorope", "r": 4, "svd": "joint", "d_kv": 16}, kv=-81.25)
+    zero_shot("trained", "partial_rope", 40.0, {"rope": "2-norm", "r": 4, "svd": "none"}, tokens=1024)
+    agg = build_aggregate([tmp_path])
+    table = zero_shot_table(agg.runs, "rorope_zero_shot")
+    assert list(table["RoPE"]) == ["original", "rorope r=4", "2-norm r=4", "rorope r=4"]   # fine-tuned run left out
+    assert list(table["× original"]) == [1.0, 1.5, 2.0, 3.0]
+    assert list(table["KV memory"])[-1] == "-81.25 %"
+    assert (tmp_path / "out" / "tables" / "rorope_zero_shot.md") in write_aggregate(agg, tmp_path / "out")

@@ -14,6 +14,7 @@ from . import comparisons, plots
 from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
 from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
 from .tables import TABLES, build_tables
+from .zero_shot import ZERO_SHOT_EXPERIMENTS, zero_shot_table
 
 
 def results_root() -> Path:
@@ -119,6 +120,14 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                 f"Experiment {experiment}: every pair of its rows on the same docs",
                 "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
                 "(resampled within each task); 'not resolved': the interval contains 0.")
+    for experiment in ZERO_SHOT_EXPERIMENTS:
+        table = zero_shot_table(aggregate.runs, experiment)
+        if len(table):
+            written += write_table(table, tables, experiment,
+                                   f"Experiment {experiment}: conversions without fine-tuning at equal KV bytes",
+                                   "Held-out perplexity on the same held-out rows for every conversion, one seed "
+                                   "(deterministic given the calibration rows); × original: its multiple of the "
+                                   "original model's perplexity.")
     check = comparisons.dtype_check(aggregate.runs)
     if len(check):
         check.to_csv(tables / "dtype_check.csv", index=False)
