@@ -14,7 +14,8 @@ def as_plain_dict(cfg: Any, group: str) -> dict:
         try:
             return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         except MissingMandatoryValue as e:
-            raise ValueError(f"{group}.{e.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+            key = e.full_key if str(e.full_key).startswith(f"{group}.") else f"{group}.{e.full_key}"
+            raise ValueError(f"{key}: missing (a ??? value): set it, e.g. on the command line") from None
     if isinstance(cfg, Mapping):
         return dict(cfg)
     raise ValueError(f"{group} config must be a mapping, got {type(cfg).__name__}")

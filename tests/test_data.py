@@ -496,9 +496,15 @@ def test_model_and_data_configs_compose(model, data, tmp_path, monkeypatch):
     overrides = [f"+model={model}", f"+data={data}"]
     if data == "local_text":
         overrides.append(f"data.paths={tmp_path}")
+    if model == "local":  # a folder's facts come from its config.json at validation; here, as a user gives them
+        overrides.append("model.finetune_length=2048")
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(overrides=overrides)
-    check_model_config(cfg.model)
+    if OmegaConf.is_missing(cfg.model, "id"):  # model=local: the user names the folder
+        with pytest.raises(ValueError, match=r"^model.id: missing"):
+            check_model_config(cfg.model)
+    else:
+        check_model_config(cfg.model)
     check_data_config(cfg.data)
     assert cfg.data.seq_len == cfg.model.finetune_length  # the paper fine-tunes at the model's window
 

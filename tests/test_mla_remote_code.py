@@ -76,7 +76,7 @@ def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path,
     mla = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4)
     cfg = CommonsenseConfig(limit=6, sample="random", seed=3, tasks=("piqa", "arc_easy"), batch_size=4,
                             data_root=str(commonsense_tree(tmp_path / "hf_datasets", n=12, subjects=("anatomy",))))
-    ours, meta = evaluate_commonsense(EvalLM(mla, tokenizer, batch_size=4), cfg)
+    ours, meta, _ = evaluate_commonsense(EvalLM(mla, tokenizer, batch_size=4), cfg)
 
     folder = tmp_path / "mla"
     mla.save_pretrained(folder)

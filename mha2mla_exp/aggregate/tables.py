@@ -214,7 +214,7 @@ def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
                 row.scores[name] = float(np.mean(values))
         if "avg" not in row.scores:
             continue
-        if all(r.get("samples_file") for r in row.runs):
+        if all(isinstance(r.get("samples_file"), str) for r in row.runs):  # NaN where a frame has none
             frames = [_samples(r["samples_file"]) for r in row.runs]
             row.values = paired.doc_values([f[f["suite"] == spec.suite] for f in frames], score_spec)
             row.intervals = {k: _points(v) for k, v in paired.bootstrap_scores(row.values, score_spec).items()}
