@@ -223,3 +223,26 @@ def test_global_allocation_keeps_the_total_and_lowers_the_objective(tmp_path, to
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.latent_dims == widths
     assert max_diff(loaded(tokens).logits, spread(tokens).logits) == 0
+
+
+@pytest.mark.parametrize("sigma", ["up", "sqrt"])
+def test_factors_split_each_direction_as_plain_svd_does_whatever_the_statistics_scale(sigma):
+    """AdamW moves every entry by ~lr: the factors a fine-tune starts from must not depend on whether a Gram is
+    summed or averaged over calibration tokens (it shrank `down` by sqrt(tokens) before)."""
+    from mha2mla_exp.mla.lowrank import weighted_svd
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(24, 16, generator=g), torch.randn(500, 16, generator=g) * 3
+    gram, left = x.T @ x, (lambda a: a @ a.T)(torch.randn(24, 24, generator=g))
+    plain_down, plain_up = weighted_svd(weight).factors(6, sigma)
+    down, up = weighted_svd(weight, left, gram).factors(6, sigma)
+    scaled_down, scaled_up = weighted_svd(weight, 1e3 * left, gram / 500).factors(6, sigma)
+    torch.testing.assert_close(scaled_down, down, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(scaled_up, up, rtol=1e-4, atol=1e-5)
+    if sigma == "up":  # the paper's convention: unit rows in down, the gain in up
+        torch.testing.assert_close(down.norm(dim=1), torch.ones(6), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain_down.norm(dim=1), torch.ones(6), rtol=1e-5, atol=1e-5)
+    else:  # equal norms on both sides of every direction
+        torch.testing.assert_close(down.norm(dim=1), up.norm(dim=0), rtol=1e-5, atol=1e-5)
+    u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
+    torch.testing.assert_close((plain_up @ plain_down).double(), (u[:, :6] * s[:6]) @ vh[:6], rtol=1e-5, atol=1e-5)

@@ -21,6 +21,11 @@ def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.cholesky(m + damp * torch.eye(len(m), dtype=m.dtype, device=m.device))
 
 
+# How `WeightedSVD.factors` splits each direction between down and up (part of a trained model's identity
+# wherever whitening makes it matter: the fine-tune starts from these factors)
+FACTOR_SPLIT = "per-direction-norm"
+
+
 @dataclass
 class WeightedSVD:
     """The SVD of L^T W R and the factors to undo the whitening; `factors(rank)` truncates it."""
@@ -38,17 +43,28 @@ class WeightedSVD:
         return self.s**2
 
     def factors(self, rank: int, sigma: str = "up") -> tuple[torch.Tensor, torch.Tensor]:
-        """(down [rank, in], up [out, rank]) with up @ down = W_hat. sigma='up' puts the singular values
-        into `up` (every code generation of the paper); 'sqrt' splits them as sqrt(S) on each side (its text)."""
+        """(down [rank, in], up [out, rank]) with up @ down = W_hat, split per direction as the paper splits a
+        plain SVD: sigma='up' (every code generation) gives each row of `down` unit norm and the direction's
+        whole gain to `up`; 'sqrt' (its text) gives both sides the square root of the gain.
+
+        Under whitening the unwhitened directions are not unit vectors, and their norms scale with the
+        statistics (an input Gram summed over N calibration tokens shrinks `down` by sqrt(N)). The product
+        does not care; AdamW does: it moves every entry by ~lr, so a tiny `down` is retrained far faster than
+        a large one. Normalising per direction makes the factors independent of how the statistics are
+        scaled and equal to the paper's for plain SVD (FACTOR_SPLIT names this convention in run identities).
+        """
         u, s, vh = self.u[:, :rank], self.s[:rank], self.vh[:rank]
         if self.left is not None:  # L^-T u
             u = torch.linalg.solve_triangular(self.left.T, u, upper=True)
         if self.right is not None:  # vh R^-1 = (R^-T vh^T)^T
             vh = torch.linalg.solve_triangular(self.right.T, vh.T, upper=True).T
+        down_norm, up_norm = vh.norm(dim=1).clamp_min(1e-30), u.norm(dim=0).clamp_min(1e-30)
+        gain = s * down_norm * up_norm
+        vh, u = vh / down_norm[:, None], u / up_norm
         if sigma == "up":
-            down, up = vh, u * s
+            down, up = vh, u * gain
         elif sigma == "sqrt":
-            root = s.sqrt()
+            root = gain.sqrt()
             down, up = root[:, None] * vh, u * root
         else:
             raise ValueError(f"unknown sigma={sigma!r}; expected 'up' or 'sqrt'")

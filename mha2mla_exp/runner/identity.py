@@ -18,6 +18,8 @@ import json
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..mla.lowrank import FACTOR_SPLIT
+
 TRAINED_MODEL_KEYS = ("model", "data", "variant", "seed", "rope", "svd", "calibration", "distill", "objective", "train")
 EVALUATION_KEYS = ("eval", "kv_quant", "kv_measure_tokens")
 # (group, key): settings that observe a run or permit it, and never change its numbers
@@ -48,6 +50,9 @@ def trained_identity(cfg: DictConfig, *, runtime: dict, converts: bool, trains: 
         identity.pop("objective", None)
     if not (trains or distills):  # an untrained model is the same on any device, in any training precision
         runtime = {k: v for k, v in runtime.items() if k != "precision"}
+    svd = identity.get("svd") or {}
+    if (trains or distills) and svd.get("method", "none") != "none" and svd.get("init", "weight") != "weight":
+        identity["lowrank_factors"] = FACTOR_SPLIT  # whitened factors: how they are split changes the training
     identity["runtime"] = runtime
     _drop_observers(identity)
     return identity
