@@ -68,3 +68,19 @@ def test_trained_names_say_what_was_trained_and_how():
     cfg = smoke_cfg("/tmp/identity", "mla_2-norm_joint", "objective=kd", "train.freeze_non_attention=true",
                     "train.precision=bf16-master")
     assert describe_trained(p, cfg).endswith("__ft2.048k-kd-attn-bf16m__s0")
+
+
+def test_the_split_of_whitened_factors_is_part_of_what_a_fine_tune_starts_from(monkeypatch):
+    import mha2mla_exp.runner.identity as identity
+
+    def hashes(*overrides):
+        p = plan("svd.init=activation", *overrides)
+        return p.trained_hash, p.conversion_hash
+
+    trained, conversion = hashes()
+    monkeypatch.setattr(identity, "FACTOR_SPLIT", "another-split")
+    assert hashes() != (trained, conversion) and hashes()[1] != conversion   # the kept conversion too
+    zero_shot = validate(smoke_cfg("/tmp/identity", "mla_2-norm_joint", "svd.init=activation", "train=none"))
+    monkeypatch.setattr(identity, "FACTOR_SPLIT", "per-direction-norm")
+    assert validate(smoke_cfg("/tmp/identity", "mla_2-norm_joint", "svd.init=activation",
+                              "train=none")).trained_hash == zero_shot.trained_hash   # same product, same numbers

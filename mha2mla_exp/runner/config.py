@@ -141,7 +141,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     trained = trained_identity(cfg, runtime=runtime, converts=spec is not None, trains=fine_tune, distills=distill,
                                calibrates=calibrates)
     conversion = trained_identity(cfg, runtime=runtime, converts=True, trains=False, distills=False,
-                                  calibrates=calibrates) if spec is not None else None
+                                  calibrates=calibrates, starts_training=fine_tune or distill) if spec is not None else None
     return RunPlan(
         variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
         device_type=device_type, precision=precision, eval_dtype=eval_dtype, trained_hash=digest(trained),

@@ -34,8 +34,10 @@ OBSERVERS = (
 
 
 def trained_identity(cfg: DictConfig, *, runtime: dict, converts: bool, trains: bool, distills: bool,
-                     calibrates: bool) -> dict:
-    """The settings (resolved) that determine the trained (or converted) model's weights."""
+                     calibrates: bool, starts_training: bool | None = None) -> dict:
+    """The settings (resolved) that determine the trained (or converted) model's weights. `starts_training`
+    (default: trains or distills): the weights are where a training starts, so how whitened low-rank factors
+    are split is part of them (a kept conversion that a fine-tune loads, as well as the fine-tuned model)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     identity = {k: container.get(k) for k in TRAINED_MODEL_KEYS if k in container}
     if not converts:
@@ -51,7 +53,8 @@ def trained_identity(cfg: DictConfig, *, runtime: dict, converts: bool, trains: 
     if not (trains or distills):  # an untrained model is the same on any device, in any training precision
         runtime = {k: v for k, v in runtime.items() if k != "precision"}
     svd = identity.get("svd") or {}
-    if (trains or distills) and svd.get("method", "none") != "none" and svd.get("init", "weight") != "weight":
+    starts_training = (trains or distills) if starts_training is None else starts_training
+    if starts_training and svd.get("method", "none") != "none" and svd.get("init", "weight") != "weight":
         identity["lowrank_factors"] = FACTOR_SPLIT  # whitened factors: how they are split changes the training
     identity["runtime"] = runtime
     _drop_observers(identity)
