@@ -2,11 +2,12 @@
 # The CPU-budget runs behind results/REPORT.md (2 CPU cores, SmolLM2-135M offline, SOTU text); each
 # experiment's file in conf/experiment/ states its budget. Relaunching skips finished runs.
 # Usage: sweeps/cpu_reproduction.sh [recovery|table3|table1|table5|headline|eval_original|passkey_nope|
-#        kv_precision_cpu|kv_precision_cpu_transformers|all] [extra overrides]
+#        kv_precision_cpu|kv_precision_cpu_transformers|rorope_zero_shot|rorope_recovery|cpu_precision|
+#        recovery_lr_screen|recovery_study|all] [extra overrides, e.g. results_dir=results/runs]
 set -euo pipefail
 what=${1:-all}; shift || true
 for experiment in recovery cpu_table3 cpu_table1 cpu_table5 headline eval_original passkey_nope kv_precision_cpu \
-    kv_precision_cpu_transformers; do
+    kv_precision_cpu_transformers rorope_zero_shot rorope_recovery cpu_precision recovery_lr_screen recovery_study; do
   if [[ $what == all || $experiment == $what || $experiment == cpu_$what ]]; then
     python -m mha2mla_exp +experiment=$experiment logger=none "$@"
   fi
