@@ -2,8 +2,9 @@
 it, and the observers that change no number.
 
 - The trained model: model, data, conversion (rope, svd, calibration), distillation, fine-tune, seed, and the
-  runtime (device type, training precision, rows per optimizer step). Its weights are saved under this identity and reused by every
-  evaluation of it: a new or failed evaluation never retrains.
+  runtime (device type, training precision, rows per optimizer step); for whitened low-rank factors that a
+  training starts from, how they are split (`mla.lowrank.FACTOR_SPLIT`). Its weights are saved under this
+  identity and reused by every evaluation of it: a new or failed evaluation never retrains.
 - An evaluation: the eval suites, the KV-cache quantization, the cache measurement, the evaluation dtype.
 - Observers (`OBSERVERS`): logging, checkpoint cadence, probes, permissions. They are in neither hash.
 

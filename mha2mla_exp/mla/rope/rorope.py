@@ -75,7 +75,7 @@ class RoRoPE(RopeStrategy):
         distance = calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
         rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
         (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
-        n_kv, half = shape.num_kv_heads, shape.head_dim // 2
+        n_kv = shape.num_kv_heads
         selections = []
         for i, u in enumerate(rotations):
             scores = rotated_pair_scores(q_norms[i], k_norms[i], u, score, distance[i])  # [c, f]
