@@ -109,7 +109,7 @@ def headline(record: dict) -> str:
     ppl = ((record.get("eval") or {}).get("perplexity") or {}).get("heldout")
     if ppl is not None:
         dtype = record["eval"].get("meta", {}).get("perplexity_dtype", "float32")
-        lines.append(f"  held-out ppl (all eval rows, {dtype}): {ppl:.2f}")
+        lines.append(f"  held-out ppl (the evaluation's held-out rows, {dtype}): {ppl:.2f}")
     cs = (record.get("eval") or {}).get("commonsense") or {}
     if "avg" in cs:
         se = commonsense_avg_se(record["eval"])
