@@ -64,7 +64,7 @@ def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeyp
         ("bf16-autocast", torch.float32, torch.bfloat16, torch.float32)
     monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (4.6, "probe"))
     fast = precision_for("auto", "cpu")
-    assert fast.mode == "bf16-master" and fast.optimizer_dtype == torch.float32 and "4.60x" in fast.reason
+    assert fast.mode == "bf16-autocast" and fast.optimizer_dtype == torch.float32 and "4.60x" in fast.reason
     monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (0.9, "probe"))
     assert precision_for("auto", "cpu").mode == "fp32"
     with pytest.raises(ValueError, match="train.precision: unknown 'bf8'"):
