@@ -4,8 +4,7 @@ import torch
 
 from ..calibration import Statistic
 from ..layouts import RotatedPairs
-from .base import RopeStrategy
-from .two_norm import head_scores
+from .two_norm import PairScored, head_scores
 
 
 def principal_axes(moments: torch.Tensor) -> torch.Tensor:
@@ -57,7 +56,7 @@ def rotated_pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, rotation: 
     return per_head.sum(dim=0)
 
 
-class RoRoPE(RopeStrategy):
+class RoRoPE(PairScored):
     """TransMLA's RoRoPE (arXiv 2502.07864): per layer and frequency, rotate the KV heads onto the principal
     axes of their pre-RoPE keys (the rotation commutes with RoPE), then keep RoPE on the n_kv*r rotated
     (component, frequency) pairs with the largest 2-norm score: one rope key of 2*n_kv*r dims shared by all
@@ -65,14 +64,10 @@ class RoRoPE(RopeStrategy):
 
     name = "rorope"
     statistics = ("pair_norms", "key_pair_moments")
-    scores = ("product", "sum", "rotation")
-
-    def needs(self, score):
-        return self.statistics + (("rotation_distance",) if score == "rotation" else ())
 
     def select(self, shape, r, score, calibration):
         q_norms, _ = calibration.get("pair_norms")
-        distance = calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
+        distance = self.distances(shape, score, calibration)
         rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
         (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
         n_kv = shape.num_kv_heads

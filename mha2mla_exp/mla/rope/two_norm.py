@@ -39,18 +39,29 @@ def top_pairs(scores: torch.Tensor, r: int) -> list[list[int]]:
     return [sorted(row.tolist()) for row in order]
 
 
-class TwoNorm(RopeStrategy):
-    """Per (layer, KV head), the r pairs with the largest pre-RoPE query/key norm score (METHOD.md step 1)."""
+class PairScored(RopeStrategy):
+    """A base (no name: not registered) for strategies that rank pairs by the 2-norm score, which
+    score='rotation' weights by the calibration's rotation distances."""
 
-    name = "2-norm"
-    statistics = ("pair_norms",)
     scores = ("product", "sum", "rotation")
 
     def needs(self, score):
         return self.statistics + (("rotation_distance",) if score == "rotation" else ())
 
+    @staticmethod
+    def distances(shape, score, calibration) -> list:
+        """Per layer, the rotation distances the score reads (None where it reads none)."""
+        return calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
+
+
+class TwoNorm(PairScored):
+    """Per (layer, KV head), the r pairs with the largest pre-RoPE query/key norm score (METHOD.md step 1)."""
+
+    name = "2-norm"
+    statistics = ("pair_norms",)
+
     def select(self, shape, r, score, calibration):
         q_norms, k_norms = calibration.get("pair_norms")
-        distance = calibration.get("rotation_distance") if score == "rotation" else [None] * shape.num_layers
+        distance = self.distances(shape, score, calibration)
         return [HeadPairs(top_pairs(pair_scores(q_norms[i], k_norms[i], shape.num_kv_heads, score, distance[i]), r))
                 for i in range(shape.num_layers)]
