@@ -6,10 +6,15 @@ import json
 import shutil
 from pathlib import Path
 
+import math
+
+import numpy as np
+import pandas as pd
 import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
 from mha2mla_exp.aggregate.pipeline import PERPLEXITY_COLUMNS, perplexity_view
+from mha2mla_exp.aggregate.recovery_study import ppl_at, recovery_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 
@@ -35,25 +40,29 @@ def test_perplexity_view_has_ok_runs_with_compute(tmp_path):
 
 
 def _recovery_run(root: Path, name: str, *, ppl: float, avg: float | None, train: dict | None,
-                  distill: dict | None, probes: list[dict] = ()) -> None:
+                  distill: dict | None, probes: list[dict] = (), experiment: str = "recovery",
+                  config: dict | None = None) -> None:
     base = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
-    base.update(run_name=name, experiment="recovery", status="ok", train=train, distill=distill)
+    base.update(run_name=name, experiment=experiment, status="ok", train=train, distill=distill)
     base["mla"].update(svd="joint", init="activation")
     base["eval"] = {"perplexity": {"heldout": ppl}, "commonsense": {"avg": avg} if avg is not None else {}}
     base["timings"] = {"train_s": (train or {}).get("seconds"), "distill_s": (distill or {}).get("seconds")}
     (root / name).mkdir(parents=True)
     (root / name / "results.json").write_text(json.dumps(base))
     (root / name / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes))
+    if config is not None:
+        (root / name / "config.yaml").write_text(json.dumps(config))   # JSON is YAML
 
 
 def test_recovery_plot_puts_distillation_compute_first(tmp_path):
     runs = tmp_path / "runs"
-    _recovery_run(runs, "ft", ppl=160.0, avg=0.30, train={"tokens": 8192, "seconds": 60.0}, distill=None,
+    _recovery_run(runs, "ft", ppl=160.0, avg=0.30, train={"tokens": 8192, "seconds": 60.0, "objective": "ce"},
+                  distill=None,
                   probes=[{"step": 0, "tokens": 0, "elapsed_s": 0.0, "heldout_ppl_probe": 200.0},
                           {"step": 2, "tokens": 4096, "elapsed_s": 30.0, "heldout_ppl_probe": 170.0, "loss": 5.0},
                           {"step": 4, "tokens": 8192, "elapsed_s": 60.0, "heldout_ppl_probe": 160.0}])
     _recovery_run(runs, "distill", ppl=150.0, avg=0.31, train=None, distill={"token_passes": 1000, "seconds": 10.0})
-    _recovery_run(runs, "both", ppl=120.0, avg=0.33, train={"tokens": 8192, "seconds": 60.0},
+    _recovery_run(runs, "both", ppl=120.0, avg=0.33, train={"tokens": 8192, "seconds": 60.0, "objective": "kd"},
                   distill={"token_passes": 1000, "seconds": 10.0},
                   probes=[{"step": 0, "tokens": 0, "elapsed_s": 0.0, "heldout_ppl_probe": 150.0},
                           {"step": 4, "tokens": 8192, "elapsed_s": 60.0, "heldout_ppl_probe": 120.0}])
@@ -63,10 +72,43 @@ def test_recovery_plot_puts_distillation_compute_first(tmp_path):
     ppl_seconds, ppl_tokens, avg_seconds, _ = figure.axes
     markers = {l.get_label(): (list(l.get_xdata()), list(l.get_ydata()))
                for l in ppl_seconds.lines if l.get_marker() == "o"}
-    assert markers == {"d_kv=16: fine-tune": ([60.0], [160.0]), "d_kv=16: distillation": ([10.0], [150.0]),
-                       "d_kv=16: distillation → fine-tune": ([70.0], [120.0])}
+    assert markers == {"d_kv=16: ce": ([60.0], [160.0]), "d_kv=16: ILD": ([10.0], [150.0]),
+                       "d_kv=16: ILD → kd": ([70.0], [120.0])}
     curves = sorted((list(l.get_xdata()), list(l.get_ydata())) for l in ppl_tokens.lines if l.get_marker() != "o")
     assert curves == [([0.0, 4096.0, 8192.0], [200.0, 170.0, 160.0]), ([1000.0, 9192.0], [150.0, 120.0])]
     assert {l.get_label(): list(l.get_ydata()) for l in avg_seconds.lines} == {
-        "d_kv=16: fine-tune": [pytest.approx(30.0)], "d_kv=16: distillation": [pytest.approx(31.0)],
-        "d_kv=16: distillation → fine-tune": [pytest.approx(33.0)]}
+        "d_kv=16: ce": [pytest.approx(30.0)], "d_kv=16: ILD": [pytest.approx(31.0)],
+        "d_kv=16: ILD → kd": [pytest.approx(33.0)]}
+
+
+def _probes(points):
+    return [{"step": i, "tokens": 2048 * i, "elapsed_s": t, "heldout_ppl_probe": p} for i, (t, p) in enumerate(points)]
+
+
+def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
+    runs = tmp_path / "runs"
+    train = {"tokens": 8192, "seconds": 100.0, "objective": "ce", "precision": {"mode": "bf16-autocast"}}
+    _recovery_run(runs, "ce", ppl=150.0, avg=0.30, train=train, distill=None, experiment="recovery_study",
+                  probes=_probes([(0, 200.0), (50, 160.0), (100, 150.0)]),
+                  config={"train": {"lr": 3e-4, "freeze_non_attention": False}})
+    # attention only: faster, so its curve is longer in tokens but ends at 60 s
+    _recovery_run(runs, "kd_attn", ppl=140.0, avg=0.31, train=train | {"objective": "kd", "seconds": 60.0},
+                  distill=None, experiment="recovery_study", probes=_probes([(0, 200.0), (60, 140.0)]),
+                  config={"train": {"lr": 3e-4, "freeze_non_attention": True}})
+    _recovery_run(runs, "ild", ppl=130.0, avg=0.32, train=train | {"objective": "kd"},
+                  distill={"token_passes": 1000, "seconds": 20.0}, experiment="recovery_study",
+                  probes=_probes([(0, 180.0), (100, 130.0)]),
+                  config={"train": {"lr": 3e-4, "freeze_non_attention": False}})
+    aggregate = build_aggregate([runs])
+    table = recovery_table(aggregate.runs, aggregate.probes, "recovery_study").set_index("recipe")
+    assert list(table.index) == ["ILD → kd, lr 3e-4", "ce, lr 3e-4", "kd, attention only, lr 3e-4"]
+    at = table["ppl @ 60 s"]   # the shortest run's seconds, ILD's included
+    assert at["ce, lr 3e-4"] == pytest.approx(math.exp(np.interp(60, [0, 50, 100], np.log([200, 160, 150]))))
+    assert at["kd, attention only, lr 3e-4"] == pytest.approx(140.0)
+    assert at["ILD → kd, lr 3e-4"] == pytest.approx(math.exp(np.interp(40, [0, 100], np.log([180, 130]))))
+    assert table.loc["kd, attention only, lr 3e-4", "choice"] == "best per second"
+    assert table["choice"].tolist().count("best per second") == 1
+    assert table.loc["ILD → kd, lr 3e-4", "fine-tune s"] == 100.0 and table.loc["ILD → kd, lr 3e-4", "ILD s"] == 20.0
+    assert table.loc["ce, lr 3e-4", "Δ Avg vs ce [95% CI]"] == ""   # the reference itself
+    assert table.loc["ILD → kd, lr 3e-4", "Δ Avg vs ce [95% CI]"].startswith("+2.0 [")   # 32 - 30 points
+    assert ppl_at(pd.DataFrame({"seconds": [0.0, 10.0], "ppl": [5.0, 4.0]}), 11.0) is None   # past its last probe

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from mha2mla_exp.mla.lowrank import FACTOR_SPLIT
 from mha2mla_exp.runner import run, run_dir_for, trained_model_for, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,8 @@ def test_smoke_experiment_runs_records_and_skips_on_relaunch(tmp_path):
     mla = next(r for r in results.values() if r["variant"] == "partial_rope+svd")
     assert mla["kv"]["ratio_measured"] == pytest.approx(mla["kv"]["ratio_nominal"])
     assert mla["train"]["steps"] > 0 and mla["train"]["tokens"] == mla["train"]["steps"] * 32 * 4 * 2
+    assert mla["conversion"]["lowrank_factors"] == FACTOR_SPLIT   # the split its training started from
+    assert "lowrank_factors" not in next(r for r in results.values() if r["variant"] == "partial_rope")["conversion"]
     curve = [json.loads(line) for line in (records[0].parent / "metrics.jsonl").read_text().splitlines()] \
         if (records[0].parent / "metrics.jsonl").exists() else []
     assert all(a["step"] < b["step"] for a, b in zip(curve, curve[1:]))

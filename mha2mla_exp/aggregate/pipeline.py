@@ -14,6 +14,7 @@ from . import comparisons, plots
 from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
 from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
 from .tables import TABLES, build_tables
+from .recovery_study import RECOVERY_EXPERIMENTS, recovery_table
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, zero_shot_table
 
 
@@ -42,7 +43,8 @@ class Aggregate:
             "loss_curves": plots.loss_curves(self.curves),
             "long_context_vs_length": plots.long_context_vs_length(self.runs),
             "recovery_curves": plots.recovery_curves(self.runs, self.probes),
-        }
+        } | {f"{experiment}_curves": plots.recovery_curves(self.runs, self.probes, experiment)
+             for experiment in RECOVERY_EXPERIMENTS}
 
 
 def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project: str | None = None,
@@ -128,6 +130,16 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "Held-out perplexity on the same held-out rows for every conversion, one seed "
                                    "(deterministic given the calibration rows); × original: its multiple of the "
                                    "original model's perplexity.")
+    for experiment in RECOVERY_EXPERIMENTS:
+        table = recovery_table(aggregate.runs, aggregate.probes, experiment)
+        if len(table):
+            written += write_table(table, tables, experiment,
+                                   f"Experiment {experiment}: recovery recipes at equal compute",
+                                   "Seconds: wall-clock on the run's machine, layer-wise distillation (ILD) + "
+                                   "fine-tune, held-out probes excluded; ppl @ N s: the probe curve (held-out "
+                                   "rows of train.eval_batches) read at the shortest run's seconds; final ppl: "
+                                   "eval.perplexity's held-out rows; Avg: commonsense, points, paired bootstrap "
+                                   "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
     check = comparisons.dtype_check(aggregate.runs)
     if len(check):
         check.to_csv(tables / "dtype_check.csv", index=False)

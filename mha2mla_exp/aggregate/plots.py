@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .records import variant_label
+from .records import recovery_recipe, variant_label
 from .render import eval_docs_label
 
 AVG_LABEL = "Avg commonsense score (points)"
@@ -240,14 +240,6 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
     return figure
 
 
-def recovery_recipe(row) -> str:
-    """How a converted model was recovered: fine-tune, distillation, both, or neither."""
-    distilled = not pd.isna(row.get("distill_token_passes"))
-    tuned = not pd.isna(row.get("train_tokens")) and row.get("train_tokens", 0) > 0
-    return {(False, False): "conversion only", (False, True): "fine-tune", (True, False): "distillation",
-            (True, True): "distillation → fine-tune"}[(distilled, tuned)]
-
-
 def _compute_spent(frame: pd.DataFrame, seconds: pd.Series, tokens: pd.Series) -> pd.DataFrame:
     """x coordinates: wall seconds and training tokens, distillation's included (it runs first)."""
     return frame.assign(seconds=frame["distill_s"].fillna(0).astype(float) + seconds.fillna(0).astype(float),
@@ -288,7 +280,7 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
             for col, x in enumerate(("seconds", "tokens_spent")):
                 axes[0, col].plot(curve[x], curve["heldout_ppl_probe"], "-", color=color, alpha=0.7)
         start = converted[(converted["d_kv"] == d_kv) & (converted["recipe"] == "conversion only")]
-        if recipe.startswith("distillation") and len(start):
+        if recipe.startswith("ILD") and len(start):
             # distillation's own stretch: from the unrecovered conversion to the distilled model
             for _, run in group.iterrows():
                 first = curves[curves["run_dir"] == run["run_dir"]].sort_values("step") if len(curves) else curves

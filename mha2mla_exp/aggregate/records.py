@@ -34,13 +34,16 @@ PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Ll
 # A table row is a (configuration, budget, evaluation sample) triple: runs that agree on all of these and
 # differ only in their seed are one row (mean and spread over seeds); anything else is a row of its own.
 CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "distill_token_passes",
-               "kv_quant", "kv_grouping", "data")
+               "kv_quant", "kv_grouping", "data", "objective", "trainable", "lr")
 BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
 UNQUANTIZED = "unquantized"
 # MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
 DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform"}
+# the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
+# a run that changes one is labelled with it
+DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4}
 
 
 def flatten(value, prefix: str = "") -> dict:
@@ -131,6 +134,13 @@ def _get(record: dict, *keys, default=None):
 def _as_int(value):
     try:
         return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_float(value):
+    try:
+        return float(value) if value is not None else None
     except (TypeError, ValueError):
         return None
 
@@ -262,6 +272,14 @@ def canonical_run(record: dict) -> dict:
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),
         "train_s": _get(record, "timings.train_s"),
+        # how the fine-tune recovered it (the recovery study's axes)
+        # records from before objectives existed all fine-tuned on cross-entropy
+        "objective": _get(record, "train.objective", "config.objective.name", default="ce") if train_tokens else None,
+        "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
+        if train_tokens else None,
+        "lr": _as_float(_get(record, "config.train.lr")) if train_tokens else None,
+        "precision": _get(record, "train.precision.mode"),
+        "train_tokens_per_s": _get(record, "train.tokens_per_s"),
     }
     for task in COMMONSENSE:
         row[task] = _points(_get(record, f"eval.commonsense.{task}"))
@@ -281,6 +299,41 @@ def canonical_run(record: dict) -> dict:
         row.setdefault(f"longbench.{task}", None)
     row.setdefault("long_context.avg", None)
     return row
+
+
+def lr_label(lr) -> str:
+    """A learning rate as people write it: 3e-4, 1.5e-4."""
+    mantissa, exponent = f"{float(lr):e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def recipe_label(row) -> str | None:
+    """The recovery settings of a canonical row that differ from the paper's recipe: "kd, attention only, lr 3e-4"."""
+    parts = []
+    if isinstance(row.get("objective"), str) and row["objective"] != DEFAULT_RECIPE["objective"]:
+        parts.append(row["objective"])
+    if row.get("trainable") == "attention":
+        parts.append("attention only")
+    lr = row.get("lr")
+    if lr is not None and not pd.isna(lr) and not math.isclose(float(lr), DEFAULT_RECIPE["lr"]):
+        parts.append(f"lr {lr_label(lr)}")
+    return ", ".join(parts) or None
+
+
+def recovery_recipe(row) -> str:
+    """How a converted model was recovered: "conversion only", "ILD" (layer-wise distillation), or the
+    fine-tune's objective ("ce", "kd", ...), after "ILD →" when both ran, with ", attention only" when the
+    rest of the model was frozen and the lr when it is not the paper's."""
+    distilled = not pd.isna(row.get("distill_token_passes"))
+    tuned = not pd.isna(row.get("train_tokens")) and row.get("train_tokens", 0) > 0
+    if not tuned:
+        return "ILD" if distilled else "conversion only"
+    objective = row.get("objective")
+    text = ("ILD → " if distilled else "") + (objective if isinstance(objective, str) else "fine-tune")
+    text += ", attention only" if row.get("trainable") == "attention" else ""
+    lr = row.get("lr")
+    return text + (f", lr {lr_label(lr)}" if lr is not None and not pd.isna(lr)
+                   and not math.isclose(float(lr), DEFAULT_RECIPE["lr"]) else "")
 
 
 def options_label(record: dict) -> str | None:
@@ -316,6 +369,8 @@ def variant_label(row) -> str:
         text += f" ({row['options']})"
     if not pd.isna(row.get("distill_token_passes", None)):
         text += " + layer-wise distillation"
+    if recipe_label(row):
+        text += f" [{recipe_label(row)}]"
     if row.get("kv_quant") not in (None, UNQUANTIZED):
         text += f" {row['kv_quant']}" + (" (transformers' groups)" if row.get("kv_grouping") == "transformers" else "")
     return f"{row['ours_model']}: {text}"

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .records import recipe_label
+
 TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA",
               "winogrande": "WG"}
 
@@ -46,6 +48,8 @@ def row_label(row) -> str:
         text += f" ({row['options']})"
     if not _missing(row.get("distill_token_passes")):
         text += " + layer-wise distillation"
+    if recipe_label(row):
+        text += f" [{recipe_label(row)}]"
     return text
 
 

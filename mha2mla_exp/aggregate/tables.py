@@ -232,7 +232,8 @@ def _points(interval: paired.Interval) -> paired.Interval:
 def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
     original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None, "distill_token_passes": None,
-                "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0}
+                "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0,
+                "objective": None, "trainable": None, "lr": None}
     if spec.by_precision:
         if key["method"] == "original" and key["kv_quant"] == UNQUANTIZED:
             return None
@@ -241,7 +242,9 @@ def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
         return None
     if key["method"] == "finetuned_full_attention" or not key["train_tokens"]:
         return key | original
-    return key | original | {"method": "finetuned_full_attention", "train_tokens": key["train_tokens"]}
+    # the full-attention fine-tune of the same budget and recovery recipe
+    recipe = {k: key.get(k) for k in ("objective", "trainable", "lr")}
+    return key | original | recipe | {"method": "finetuned_full_attention", "train_tokens": key["train_tokens"]}
 
 
 def _describe_baseline(key: dict) -> str:

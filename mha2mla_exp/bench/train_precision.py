@@ -138,7 +138,8 @@ def write_readme(out: Path) -> None:
                   "(2-norm r=4, joint SVD d_kv=16, activation-aware init) and the same rows in every mode; "
                   "`heldout_ppl_fp32` is the final model evaluated in fp32 on 32 x 512 held-out rows, "
                   "`final_probe_ppl` the same rows in the weights' own dtype (`probe_dtype`). These runs shared the "
-                  "machine: their tokens/s are not the ones above.", "",
+                  "machine: their tokens/s are not the ones above. Only the folder's own run directories are read (records "
+                  "made with an earlier split of the low-rank factors sit in a subfolder).", "",
                   table.to_markdown(index=False, floatfmt=".4g"), "", "![recovery curves](curves.png)", ""]
     (out / "README.md").write_text("\n".join(lines))
 
@@ -158,10 +159,12 @@ def main(argv=None) -> int:
     s.add_argument("--out", type=Path, default=Path("results/bench/cpu_train"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    speedup, detail = cpu_bf16_speedup(576, 1536)
-    (args.out / "machine.json").write_text(json.dumps(
-        {"cpu": cpu_model(), "matmul_bf16_over_fp32": round(speedup, 2), "matmul_probe": detail,
-         "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=2))
+    if args.command == "throughput" or not (args.out / "machine.json").exists():
+        # the machine beside its throughput numbers (a summary of shared-machine runs keeps the idle probe)
+        speedup, detail = cpu_bf16_speedup(576, 1536)
+        (args.out / "machine.json").write_text(json.dumps(
+            {"cpu": cpu_model(), "matmul_bf16_over_fp32": round(speedup, 2), "matmul_probe": detail,
+             "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=2))
     if args.command == "throughput":
         compile_options = [c.strip().lower() == "true" for c in args.compile.split(",")]
         measure_throughput(study_model(), args.warmup, args.steps, args.modes.split(","), compile_options).to_csv(

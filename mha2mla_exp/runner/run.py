@@ -23,6 +23,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 
+from ..mla.lowrank import FACTOR_SPLIT
 from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
 from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, validate
@@ -282,6 +283,8 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
     if plan.spec is not None:
         record["rope_pairs"] = model.config.rope_pairs
         record["conversion"] = model.config.conversion_facts()
+        if plan.spec.svd != "none":  # how the low-rank factors were split between down and up (mla/lowrank.py)
+            record["conversion"]["lowrank_factors"] = FACTOR_SPLIT
 
 
 def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir) -> None:
