@@ -78,8 +78,8 @@ def _our_tasks(table) -> list[str]:
     return [c for c in table.columns if c.startswith("passkey@") and "_" not in c]
 
 
-PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "distill_token_passes", "convert_s", "distill_s",
-                      "train_s", "kv_mem_change_pct", "heldout_ppl")
+PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "precision", "distill_token_passes", "convert_s",
+                      "distill_s", "train_s", "kv_mem_change_pct", "heldout_ppl")
 
 
 def perplexity_view(runs):
