@@ -99,9 +99,15 @@ def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
                   distill={"token_passes": 1000, "seconds": 20.0}, experiment="recovery_study",
                   probes=_probes([(0, 180.0), (100, 130.0)]),
                   config={"train": {"lr": 3e-4, "freeze_non_attention": False}})
+    _recovery_run(runs, "original", ppl=30.0, avg=0.40, train=None, distill=None, experiment="recovery_study")
+    original = json.loads((runs / "original/results.json").read_text())
+    (runs / "original/results.json").write_text(json.dumps(original | {"variant": "original", "mla": None}))
     aggregate = build_aggregate([runs])
     table = recovery_table(aggregate.runs, aggregate.probes, "recovery_study").set_index("recipe")
-    assert list(table.index) == ["ILD → kd, lr 3e-4", "ce, lr 3e-4", "kd, attention only, lr 3e-4"]
+    assert list(table.index) == ["original (unconverted)", "ILD → kd, lr 3e-4", "ce, lr 3e-4",
+                                 "kd, attention only, lr 3e-4"]
+    assert table.loc["original (unconverted)", "final ppl"] == 30.0
+    assert table.loc["original (unconverted)", "Δ Avg vs ce [95% CI]"].startswith("+10.0 [")
     at = table["ppl @ 60 s"]   # the shortest run's seconds, ILD's included
     assert at["ce, lr 3e-4"] == pytest.approx(math.exp(np.interp(60, [0, 50, 100], np.log([200, 160, 150]))))
     assert at["kd, attention only, lr 3e-4"] == pytest.approx(140.0)

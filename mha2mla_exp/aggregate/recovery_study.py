@@ -5,8 +5,9 @@ parameters, lr, the precision it trained in, layer-wise distillation first or no
 (wall seconds of distillation + fine-tune, probes excluded; tokens), its held-out perplexity along its probe
 curve read at a common budget of seconds (the shortest run's: log-linear between probes), its final
 held-out perplexity, and its commonsense Avg with a paired 95% interval against the paper's recipe (plain
-cross-entropy on all parameters, no distillation). The recipe with the lowest perplexity at the common
-budget is marked `best per second`; its Avg difference says whether the commonsense suite resolves the choice.
+cross-entropy on all parameters, no distillation). The unconverted model, where the experiment has it, is the
+first row. The recipe with the lowest perplexity at the common budget is marked `best per second`; its Avg
+difference says whether the commonsense suite resolves the choice.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from .tables import _key, delta, rows_of_ours
 
 RECOVERY_EXPERIMENTS = ("recovery_study",)
 REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD
+
+
+ORIGINAL = "original (unconverted)"   # a reference row: the model every recipe recovers towards
 
 
 def _is_reference(run: dict) -> bool:
@@ -37,11 +41,11 @@ def ppl_at(curve: pd.DataFrame, seconds: float) -> float | None:
 
 def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) -> pd.DataFrame:
     ok = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")
-              & (runs["method"] == "partial_rope+svd")] if len(runs) else runs
-    if not len(ok):
+              & runs["method"].isin(["original", "partial_rope+svd"])] if len(runs) else runs
+    if not (ok["method"] == "partial_rope+svd").any():
         return pd.DataFrame()
-    ok = ok.assign(recipe=[recovery_recipe(r) for r in ok.to_dict("records")],
-                   distill_seconds=ok["distill_s"].fillna(0).astype(float))
+    recipes = [ORIGINAL if r["method"] == "original" else recovery_recipe(r) for r in ok.to_dict("records")]
+    ok = ok.assign(recipe=recipes, distill_seconds=ok["distill_s"].fillna(0).astype(float))
     curves = {}
     for run in ok.itertuples():
         probe = probes[probes["run_dir"] == run.run_dir] if len(probes) else probes
@@ -53,7 +57,7 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     reference = next((r for r in scored.values() if _is_reference(r.runs[0])), None)
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
-    for run in ok.sort_values("recipe").to_dict("records"):
+    for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
         row = scored.get(_key(run, ["run_dir"]))
         interval = row.intervals.get("avg") if row else None
         diff = delta(row, reference).get("avg") if row and reference and row is not reference else None
@@ -67,7 +71,8 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
             + ("" if diff.resolved else " not resolved") if diff else "",
         })
     table = pd.DataFrame.from_records(records)
-    if table[at_common].notna().any():
-        best = table[at_common].astype(float).idxmin()
+    converted = table[table["recipe"] != ORIGINAL]
+    if converted[at_common].notna().any():
+        best = converted[at_common].astype(float).idxmin()
         table["choice"] = ["best per second" if i == best else "" for i in table.index]
     return table
