@@ -85,6 +85,11 @@ def test_perplexity_matches_the_model_loss_and_skips_padding(tiny):
     mask = torch.cat([torch.ones(25), torch.zeros(15)]).long().unsqueeze(0)
     assert perplexity(model, [{"input_ids": padded, "attention_mask": mask}]) == pytest.approx(
         perplexity(model, [short.unsqueeze(0)]), rel=1e-5)
+    rows = []
+    assert perplexity(model, [{"input_ids": padded, "attention_mask": mask}, ids], rows=rows) == pytest.approx(
+        math.exp(sum(nll for nll, _ in rows) / sum(n for _, n in rows)), rel=1e-6)   # the rows make the whole
+    assert [n for _, n in rows] == [24, 39, 39]
+    assert rows[0][0] / 24 == pytest.approx(math.log(perplexity(model, [short.unsqueeze(0)])), rel=1e-5)
     with pytest.raises(ValueError):
         perplexity(model, [])
 

@@ -18,12 +18,13 @@ def _unpack(batch):
 
 
 @torch.no_grad()
-def perplexity(model, batches: Iterable, *, max_batches: int | None = None) -> float:
+def perplexity(model, batches: Iterable, *, max_batches: int | None = None, rows: list | None = None) -> float:
     """exp(mean next-token NLL) over all predicted tokens of `batches`.
 
     A batch is an input_ids tensor `[B, T]` (or `[T]`) or a dict with `input_ids` and optionally
     `attention_mask` (0 = padding, not predicted) and `labels` (-100 = not predicted). Tokens are
-    weighted equally across batches. No cache is used.
+    weighted equally across batches. No cache is used. `rows`, when given, receives one
+    (NLL sum, predicted tokens) pair per row: what a paired bootstrap over rows resamples.
     """
     was_training = model.training
     model.eval()
@@ -42,9 +43,13 @@ def perplexity(model, batches: Iterable, *, max_batches: int | None = None) -> f
                 mask = mask.to(device)
             logits = model(input_ids=ids.to(device), attention_mask=mask, use_cache=False).logits
             target = labels[:, 1:].to(device)
-            nll += F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                   ignore_index=-100, reduction="sum").item()
+            flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            nll += F.cross_entropy(flat, target.reshape(-1), ignore_index=-100, reduction="sum").item()
             count += int((target != -100).sum())
+            if rows is not None:
+                per_token = F.cross_entropy(flat, target.reshape(-1), ignore_index=-100, reduction="none")
+                sums, counts = per_token.view(target.shape).sum(1), (target != -100).sum(1)
+                rows.extend(zip(sums.tolist(), counts.tolist()))
     finally:
         model.train(was_training)
     if count == 0:

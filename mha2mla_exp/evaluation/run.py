@@ -131,8 +131,12 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
             out["perplexity"]["heldout"] = None
         else:
             out["meta"]["perplexity_dtype"] = _dtype_name(model.dtype)
+            rows_nll = []
             out["perplexity"]["heldout"] = perplexity(model, held_out_batches(held_out, p["batch_size"]),
-                                                      max_batches=p["max_batches"])
+                                                      max_batches=p["max_batches"], rows=rows_nll)
+            # per held-out row: mean NLL (nats/token) and its tokens, for paired intervals over the same rows
+            out["perplexity"]["row_nll"] = [round(nll / max(n, 1), 6) for nll, n in rows_nll]
+            out["perplexity"]["row_tokens"] = [int(n) for _, n in rows_nll]
         timings["perplexity"] = round(time.perf_counter() - t, 2)
     if cfg["commonsense"] is not None:
         from .commonsense import evaluate_commonsense
