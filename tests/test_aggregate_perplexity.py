@@ -14,6 +14,7 @@ import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
 from mha2mla_exp.aggregate.pipeline import PERPLEXITY_COLUMNS, perplexity_view
+from mha2mla_exp.aggregate.perplexity_pairs import perplexity_pairs
 from mha2mla_exp.aggregate.recovery_study import ppl_at, recovery_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -118,3 +119,42 @@ def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
     assert table.loc["ce, lr 3e-4", "Δ Avg vs ce [95% CI]"] == ""   # the reference itself
     assert table.loc["ILD → kd, lr 3e-4", "Δ Avg vs ce [95% CI]"].startswith("+2.0 [")   # 32 - 30 points
     assert ppl_at(pd.DataFrame({"seconds": [0.0, 10.0], "ppl": [5.0, 4.0]}), 11.0) is None   # past its last probe
+
+
+def _ppl_run(root: Path, name: str, *, rope: str, d_kv: int, seed: int, row_nll: list[float],
+             experiment: str = "cpu10x_table3") -> None:
+    base = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
+    base.update(run_name=name, experiment=experiment, status="ok")
+    base["mla"].update(rope=rope, d_kv=d_kv)
+    tokens = [511] * len(row_nll)
+    base["eval"] = {"perplexity": {"heldout": math.exp(sum(row_nll) / len(row_nll)), "row_nll": row_nll,
+                                   "row_tokens": tokens}}
+    (root / name).mkdir(parents=True)
+    (root / name / "results.json").write_text(json.dumps(base))
+    (root / name / "config.yaml").write_text(json.dumps({"seed": seed}))
+
+
+def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
+    runs = tmp_path / "runs"
+    rng = np.random.default_rng(0)
+    base = list(4.0 + rng.normal(0, 0.3, 24))
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        _ppl_run(runs, f"2norm_s{seed}", rope="2-norm", d_kv=16, seed=seed, row_nll=[x + shift for x in base],
+                 experiment="cpu10x_table3" if seed == 0 else "cpu10x_seed1")
+        # high: 0.1 nats/token better on every row, in both seeds
+        _ppl_run(runs, f"high_s{seed}", rope="high", d_kv=16, seed=seed, row_nll=[x + shift - 0.1 for x in base],
+                 experiment="cpu10x_table3" if seed == 0 else "cpu10x_seed1")
+        # uniform: better in seed 0, worse in seed 1 (training noise): never resolved
+        _ppl_run(runs, f"uniform_s{seed}", rope="uniform", d_kv=16, seed=seed,
+                 row_nll=[x + shift + (-0.1 if seed == 0 else 0.15) for x in base])
+    _ppl_run(runs, "low_dkv8", rope="low", d_kv=8, seed=0, row_nll=base)   # two factors away from the rest
+    pairs = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3", "cpu10x_seed1"))
+    by = {(row["A"].split(" r=")[0], row["B"].split(" r=")[0]): row for row in pairs.to_dict("records")}
+    assert set(by) == {("2-norm", "high"), ("2-norm", "uniform"), ("high", "uniform")}
+    high = by[("2-norm", "high")]
+    assert high["factor"] == "RoPE" and high["seeds"] == "0,1" and high["held-out rows"] == 24
+    assert high["B/A"] == pytest.approx(math.exp(-0.1)) and high["B/A high"] < 1 and high["verdict"] == "B lower"
+    assert high["B/A per seed"] == f"{math.exp(-0.1):.3f}, {math.exp(-0.1):.3f}"
+    uniform = by[("2-norm", "uniform")]
+    assert uniform["verdict"] == "not resolved"      # the interval excludes 1 (+0.025 on every row), the seeds disagree
+    assert uniform["B/A low"] > 1

@@ -14,6 +14,7 @@ from . import comparisons, plots
 from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
 from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
 from .tables import TABLES, build_tables
+from .perplexity_pairs import perplexity_pairs
 from .recovery_study import RECOVERY_EXPERIMENTS, recovery_table
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, zero_shot_table
 
@@ -70,6 +71,8 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
 
 # experiment -> suite: every pair of their rows gets a table (REPORT.md cites them)
 PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "passkey_nope": "long_context"}
+# table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
+PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1")}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
 
 
@@ -130,6 +133,16 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "Held-out perplexity on the same held-out rows for every conversion, one seed "
                                    "(deterministic given the calibration rows); × original: its multiple of the "
                                    "original model's perplexity.")
+    for name, experiments in PERPLEXITY_PAIRS.items():
+        pairs = perplexity_pairs(aggregate.runs, experiments)
+        if len(pairs):
+            written += write_table(pairs.round(4), tables, name,
+                                   f"Held-out perplexity, every pair of rows of {', '.join(experiments)} that "
+                                   "differs in one factor",
+                                   "B/A: perplexity ratio (below 1: B better) with a paired bootstrap 95% interval "
+                                   "over the same held-out rows; per seed: the ratio of the runs with that seed; "
+                                   "verdict: resolved only when the interval excludes 1 and every seed agrees "
+                                   "(mha2mla_exp/aggregate/perplexity_pairs.py).")
     for experiment in RECOVERY_EXPERIMENTS:
         table = recovery_table(aggregate.runs, aggregate.probes, experiment)
         if len(table):

@@ -268,6 +268,8 @@ def canonical_run(record: dict) -> dict:
         "samples_file": str(samples) if samples is not None and samples.is_file() else None,
         # compute spent and the cheap always-on score, for the recovery view
         "heldout_ppl": _get(record, "eval.perplexity.heldout"),
+        "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),       # per held-out row (perplexity_pairs)
+        "heldout_row_tokens": _get(record, "eval.perplexity.row_tokens"),
         "distill_token_passes": _as_int(_get(record, "distill.token_passes")),
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),

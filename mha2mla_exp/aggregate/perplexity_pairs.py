@@ -1,0 +1,122 @@
+"""Held-out perplexity differences that say whether they are resolved: the CPU reproduction's verdicts.
+
+Rows are configurations (`records.ROW_KEYS`, seeds counted once) of the given experiments, read together (a
+table's seed-1 repeats live in an experiment of their own). Two rows are compared when they differ in exactly
+one *factor* (the RoPE strategy with its r, the SVD with its width, the conversion options, the recovery
+recipe, ...) and were scored on the same held-out rows. For each such pair:
+
+- B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
+  averaged over the row's seeds first);
+- its 95% interval: a paired percentile bootstrap over the held-out rows (the same resampled rows for A and B),
+  i.e. the uncertainty from which text was held out, not from training noise;
+- per seed, the ratio of the runs with that seed: training noise, which two seeds only sample;
+- verdict: "B lower" / "B higher" when the interval excludes 1 and every shared seed agrees in direction,
+  else "not resolved". Records without per-row NLLs (older runs) get the ratio and no verdict.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+
+from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
+from .records import ROW_KEYS
+from .render import row_label
+
+# factor -> the row keys it spans; rows that differ in exactly one factor are compared
+FACTORS = {
+    "RoPE": ("method", "rope", "r"),
+    "SVD": ("svd", "d_kv"),
+    "options": ("options",),
+    "recipe": ("objective", "trainable", "lr", "distill_token_passes"),
+    "budget": ("train_tokens",),
+}
+SAME = tuple(k for k in ROW_KEYS if k not in {k for keys in FACTORS.values() for k in keys}
+             and k not in ("eval_sample", "eval_dtype"))
+
+
+def _text(value) -> str:
+    return "" if value is None or (not isinstance(value, (str, list, dict)) and pd.isna(value)) else str(value)
+
+
+def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:
+    ok = runs[(runs["status"] == "ok") & runs["experiment"].isin(list(experiments))
+              & runs["heldout_ppl"].notna()] if len(runs) else runs
+    rows: dict[tuple, list[dict]] = {}
+    for record in ok.sort_values("run_dir").to_dict("records"):
+        group = rows.setdefault(tuple(_text(record.get(k)) for k in ROW_KEYS if k not in ("eval_sample", "eval_dtype")),
+                                [])
+        if _text(record.get("seed")) not in {_text(r.get("seed")) for r in group}:
+            group.append(record)
+    return rows
+
+
+def _factor(a: dict, b: dict) -> str | None:
+    """The one factor in which two rows differ, or None (none, or several, or a shared key differs)."""
+    if any(_text(a.get(k)) != _text(b.get(k)) for k in SAME):
+        return None
+    differ = [name for name, keys in FACTORS.items() if any(_text(a.get(k)) != _text(b.get(k)) for k in keys)]
+    return differ[0] if len(differ) == 1 else None
+
+
+def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per held-out row, the NLL averaged over the runs (seeds) and the row's tokens; None without rows."""
+    nll = [r.get("heldout_row_nll") for r in runs]
+    tokens = [r.get("heldout_row_tokens") for r in runs]
+    if any(not isinstance(x, list) or not x for x in nll + tokens) or len({tuple(t) for t in tokens}) != 1:
+        return None
+    return np.mean(np.array(nll, dtype=float), axis=0), np.array(tokens[0], dtype=float)
+
+
+def ratio_interval(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], *,
+                   n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95):
+    """B/A perplexity and its paired bootstrap interval over the same held-out rows."""
+    (nll_a, tokens), (nll_b, _) = a, b
+    diff = (nll_b - nll_a) * tokens   # per row, summed NLL difference
+    estimate = float(np.exp(diff.sum() / tokens.sum()))
+    idx = np.random.default_rng(seed).integers(0, len(diff), size=(n_boot, len(diff)))
+    boot = np.exp(diff[idx].sum(1) / tokens[idx].sum(1))
+    tail = 100 * (1 - level) / 2
+    return estimate, float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+
+
+def _ppl(runs: list[dict]) -> float:
+    return float(np.exp(np.mean(np.log([r["heldout_ppl"] for r in runs]))))
+
+
+def _label(run: dict) -> str:
+    return f"{row_label(run)} @ {int(run.get('train_tokens') or 0):,} tokens"
+
+
+def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
+    """Every pair of rows of `experiments` that differ in one factor, B/A with its interval and verdict."""
+    rows = _rows(runs, experiments)
+    records = []
+    for a, b in itertools.combinations(sorted(rows.values(), key=lambda g: _label(g[0])), 2):
+        factor = _factor(a[0], b[0])
+        if factor is None:
+            continue
+        by_seed_a, by_seed_b = ({_text(r.get("seed")): r for r in g} for g in (a, b))
+        shared = sorted(set(by_seed_a) & set(by_seed_b))
+        per_seed = [by_seed_b[s]["heldout_ppl"] / by_seed_a[s]["heldout_ppl"] for s in shared]
+        nll_a, nll_b = _row_nll(a), _row_nll(b)
+        comparable = nll_a is not None and nll_b is not None and len(nll_a[0]) == len(nll_b[0]) \
+            and np.array_equal(nll_a[1], nll_b[1])
+        estimate, low, high = ratio_interval(nll_a, nll_b) if comparable else (_ppl(b) / _ppl(a), np.nan, np.nan)
+        agree = len(per_seed) > 0 and (all(x < 1 for x in per_seed) or all(x > 1 for x in per_seed))
+        if not comparable:
+            verdict = "no interval (no per-row NLL)"
+        elif (high < 1 or low > 1) and agree:
+            verdict = "B lower" if estimate < 1 else "B higher"
+        else:
+            verdict = "not resolved"
+        records.append({
+            "factor": factor, "A": _label(a[0]), "B": _label(b[0]),
+            "seeds": ",".join(shared) or f"A {len(a)}, B {len(b)} (none shared)",
+            "ppl A": _ppl(a), "ppl B": _ppl(b), "B/A": estimate, "B/A low": low, "B/A high": high,
+            "B/A per seed": ", ".join(f"{x:.3f}" for x in per_seed), "held-out rows": len(nll_a[0]) if comparable else None,
+            "verdict": verdict,
+        })
+    return pd.DataFrame.from_records(records)
