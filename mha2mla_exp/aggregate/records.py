@@ -274,8 +274,8 @@ def canonical_run(record: dict) -> dict:
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),
         "train_s": _get(record, "timings.train_s"),
-        # how the fine-tune recovered it (the recovery study's axes)
-        # records from before objectives existed all fine-tuned on cross-entropy
+        # how the fine-tune recovered it (the recovery study's axes); records from before objectives existed
+        # all fine-tuned on cross-entropy
         "objective": _get(record, "train.objective", "config.objective.name", default="ce") if train_tokens else None,
         "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
         if train_tokens else None,
@@ -309,6 +309,13 @@ def lr_label(lr) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
+def _lr_note(lr) -> str | None:
+    """"lr 3e-4" for a learning rate other than the paper's, else None."""
+    if lr is None or pd.isna(lr) or math.isclose(float(lr), DEFAULT_RECIPE["lr"]):
+        return None
+    return f"lr {lr_label(lr)}"
+
+
 def recipe_label(row) -> str | None:
     """The recovery settings of a canonical row that differ from the paper's recipe: "kd, attention only, lr 3e-4"."""
     parts = []
@@ -316,9 +323,8 @@ def recipe_label(row) -> str | None:
         parts.append(row["objective"])
     if row.get("trainable") == "attention":
         parts.append("attention only")
-    lr = row.get("lr")
-    if lr is not None and not pd.isna(lr) and not math.isclose(float(lr), DEFAULT_RECIPE["lr"]):
-        parts.append(f"lr {lr_label(lr)}")
+    if _lr_note(row.get("lr")):
+        parts.append(_lr_note(row.get("lr")))
     return ", ".join(parts) or None
 
 
@@ -333,9 +339,7 @@ def recovery_recipe(row) -> str:
     objective = row.get("objective")
     text = ("ILD → " if distilled else "") + (objective if isinstance(objective, str) else "fine-tune")
     text += ", attention only" if row.get("trainable") == "attention" else ""
-    lr = row.get("lr")
-    return text + (f", lr {lr_label(lr)}" if lr is not None and not pd.isna(lr)
-                   and not math.isclose(float(lr), DEFAULT_RECIPE["lr"]) else "")
+    return text + (f", {_lr_note(row.get('lr'))}" if _lr_note(row.get("lr")) else "")
 
 
 def options_label(record: dict) -> str | None:
