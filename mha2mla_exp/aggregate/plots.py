@@ -308,6 +308,11 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
     if not axes[1, 0].lines:
         for ax in axes[1]:
             _empty_note(ax, "no commonsense scores in these runs")
+    for col in range(2):
+        axes[0, col].set_title("lines: in-training probes (train.eval_batches rows); dots: the final held-out "
+                               "evaluation", fontsize="small")
+        axes[1, col].set_title("each finished run; the 95 % intervals are in the experiment's table",
+                               fontsize="small")
     figure.suptitle(f"Recovery of a converted model against compute (experiment {experiment!r})")
     figure.tight_layout()
     return figure

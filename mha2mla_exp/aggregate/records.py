@@ -344,8 +344,9 @@ def recovery_recipe(row) -> str:
 
 def options_label(record: dict) -> str | None:
     """The conversion options that differ from the paper's defaults, e.g. "score=sum, init=activation"."""
+    # a record from before an option existed has NaN there (a frame mixing old and new records): the default
     changed = [f"{name}={record[f'mla.{name}']}" for name, default in DEFAULT_OPTIONS.items()
-               if record.get(f"mla.{name}") not in (None, default)]
+               if _get(record, f"mla.{name}") not in (None, default)]
     return ", ".join(changed) or None
 
 

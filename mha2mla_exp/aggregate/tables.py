@@ -386,8 +386,7 @@ def _task_columns(spec: TableSpec, score_spec: paired.ScoreSpec) -> list[str]:
 
 
 def _identity(key: dict, run: dict) -> dict:
-    out = {c: key.get(c) for c in ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options",
-                                   "kv_quant", "kv_grouping", "data", "train_tokens", "eval_sample", "eval_dtype")}
+    out = {c: key.get(c) for c in ROW_KEYS}
     out["kv_dtype"] = run.get("kv_dtype", key.get("kv_dtype"))
     out["kv_bytes_per_token"] = run.get("kv_bytes_per_token")
     out["eval_docs"] = run.get("eval_docs")
@@ -407,7 +406,8 @@ def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
 
 
 def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame) -> list[str]:
-    columns = ["model", "ours_model", "experiment", "method", "rope", "r", "svd", "d_kv", "options"]
+    columns = ["model", "ours_model", "experiment", "method", "rope", "r", "svd", "d_kv", "options",
+               "distill_token_passes", "objective", "trainable", "lr"]
     if spec.by_precision:
         columns += ["kv_quant", "kv_grouping", "kv_dtype", "kv_bytes_per_token"]
     columns += ["data", "train_tokens", "eval_sample", "eval_docs", "eval_dtype", "n_seeds", "seeds", "per_doc",
