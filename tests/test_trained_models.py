@@ -123,7 +123,7 @@ def test_a_run_that_trains_loads_fp32_master_weights_even_where_auto_means_bf16(
 
 
 def test_recipes_from_one_conversion_convert_once_and_train_as_from_a_fresh_one(tmp_path, monkeypatch):
-    fresh = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *FAST, "train.lr=3e-4"))
+    fresh = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *FAST, "train.lr=1e-3"))
     assert "reused_conversion" not in fresh
     run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST))  # another recipe: converts and keeps the conversion
 
@@ -131,7 +131,7 @@ def test_recipes_from_one_conversion_convert_once_and_train_as_from_a_fresh_one(
         raise AssertionError("the kept conversion must be reused")
 
     monkeypatch.setattr(stages, "convert", no_conversion)
-    reused = run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST, "train.lr=3e-4"))
+    reused = run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST, "train.lr=1e-3"))
     assert reused["reused_conversion"].endswith("__converted-" + validate(
         smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST)).conversion_hash)
     assert reused["train"]["final_loss"] == pytest.approx(fresh["train"]["final_loss"], abs=1e-6)
