@@ -24,6 +24,7 @@ import pandas as pd
 from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
 from .records import ROW_KEYS
 from .render import row_label
+from .tables import _text
 
 # factor -> the row keys it spans; rows that differ in exactly one factor are compared
 FACTORS = {
@@ -35,10 +36,6 @@ FACTORS = {
 }
 SAME = tuple(k for k in ROW_KEYS if k not in {k for keys in FACTORS.values() for k in keys}
              and k not in ("eval_sample", "eval_dtype"))
-
-
-def _text(value) -> str:
-    return "" if value is None or (not isinstance(value, (str, list, dict)) and pd.isna(value)) else str(value)
 
 
 def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:

@@ -17,7 +17,7 @@ import pandas as pd
 
 from .comparisons import _ALL
 from .records import recovery_recipe
-from .tables import _key, delta, rows_of_ours
+from .tables import delta, rows_of_ours
 
 RECOVERY_EXPERIMENTS = ("recovery_study",)
 REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD
@@ -53,12 +53,12 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
                                             "ppl": probe["heldout_ppl_probe"].astype(float)})
     ends = [c["seconds"].max() for c in curves.values() if len(c)]
     common = float(min(ends)) if ends else None
-    scored = {_key(r.runs[0], ["run_dir"]): r for r in rows_of_ours(_ALL["commonsense"], ok)}
+    scored = {r.runs[0]["run_dir"]: r for r in rows_of_ours(_ALL["commonsense"], ok)}
     reference = next((r for r in scored.values() if _is_reference(r.runs[0])), None)
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
     for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
-        row = scored.get(_key(run, ["run_dir"]))
+        row = scored.get(run["run_dir"])
         interval = row.intervals.get("avg") if row else None
         diff = delta(row, reference).get("avg") if row and reference and row is not reference else None
         records.append({
