@@ -12,5 +12,8 @@ for experiment in recovery cpu_table3 cpu_table1 cpu_table5 headline eval_origin
     cpu10x_table3 cpu10x_table5 cpu10x_seed1 cpu10x_table1; do
   if [[ $what == all || $experiment == $what || $experiment == cpu_$what ]]; then
     python -m mha2mla_exp +experiment=$experiment logger=none "$@"
+    if [[ $experiment == cpu10x_seed1 ]]; then   # r = 8 is a Table 5 cell: a run of its own
+      python -m mha2mla_exp +experiment=cpu10x_seed1 +cells/table5=2-norm_r8 hydra.mode=RUN logger=none "$@"
+    fi
   fi
 done

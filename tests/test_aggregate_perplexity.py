@@ -15,6 +15,7 @@ import pytest
 from mha2mla_exp.aggregate import build_aggregate
 from mha2mla_exp.aggregate.pipeline import PERPLEXITY_COLUMNS, perplexity_view
 from mha2mla_exp.aggregate.perplexity_pairs import perplexity_pairs
+from mha2mla_exp.aggregate.plots import VERDICT_COLORS, perplexity_ratios
 from mha2mla_exp.aggregate.recovery_study import ppl_at, recovery_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -158,3 +159,12 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     uniform = by[("2-norm", "uniform")]
     assert uniform["verdict"] == "not resolved"      # the interval excludes 1 (+0.025 on every row), the seeds disagree
     assert uniform["B/A low"] > 1
+    # the forest plot: one labelled row per pair at its ratio, the interval in its verdict's colour
+    ax = perplexity_ratios(pairs, "pairs").axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == len(pairs) == 3
+    y_of = dict(zip(labels, ax.get_yticks()))
+    high_y = next(y for label, y in y_of.items() if label.startswith("RoPE: high") and "2-norm" in label)
+    high_bar = next(ln for ln in ax.lines if ln.get_linestyle() == "-" and list(ln.get_ydata()) == [high_y] * 2)
+    assert list(high_bar.get_xdata()) == pytest.approx([high["B/A low"], high["B/A high"]])
+    assert high_bar.get_color() == VERDICT_COLORS["B lower"]

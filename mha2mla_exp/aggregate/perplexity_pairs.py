@@ -24,7 +24,7 @@ import pandas as pd
 from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
 from .records import ROW_KEYS
 from .render import row_label
-from .tables import _text
+from .tables import _text, seeds_once
 
 # factor -> the row keys it spans; rows that differ in exactly one factor are compared
 FACTORS = {
@@ -41,13 +41,8 @@ SAME = tuple(k for k in ROW_KEYS if k not in {k for keys in FACTORS.values() for
 def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:
     ok = runs[(runs["status"] == "ok") & runs["experiment"].isin(list(experiments))
               & runs["heldout_ppl"].notna()] if len(runs) else runs
-    rows: dict[tuple, list[dict]] = {}
-    for record in ok.sort_values("run_dir").to_dict("records"):
-        group = rows.setdefault(tuple(_text(record.get(k)) for k in ROW_KEYS if k not in ("eval_sample", "eval_dtype")),
-                                [])
-        if _text(record.get("seed")) not in {_text(r.get("seed")) for r in group}:
-            group.append(record)
-    return rows
+    return seeds_once(ok.sort_values("run_dir").to_dict("records"),
+                      [k for k in ROW_KEYS if k not in ("eval_sample", "eval_dtype")])
 
 
 def _factor(a: dict, b: dict) -> str | None:

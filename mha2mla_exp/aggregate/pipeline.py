@@ -143,6 +143,9 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "over the same held-out rows; per seed: the ratio of the runs with that seed; "
                                    "verdict: resolved only when the interval excludes 1 and every seed agrees "
                                    "(mha2mla_exp/aggregate/perplexity_pairs.py).")
+            written += plots.save_figure(plots.perplexity_ratios(pairs, f"Held-out perplexity, pairs of rows of "
+                                                                        f"{', '.join(experiments)}"),
+                                         out_dir / "plots", name)
     for experiment in RECOVERY_EXPERIMENTS:
         table = recovery_table(aggregate.runs, aggregate.probes, experiment)
         if len(table):

@@ -316,3 +316,37 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
     figure.suptitle(f"Recovery of a converted model against compute (experiment {experiment!r})")
     figure.tight_layout()
     return figure
+
+
+VERDICT_COLORS = {"B lower": "C2", "B higher": "C3", "not resolved": "grey"}
+
+
+def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
+    """`perplexity_pairs`' table as a forest plot: per pair, B/A on a log axis with its paired bootstrap 95 %
+    interval (coloured by verdict) and each seed's own ratio as a cross; pairs grouped by the factor they vary."""
+    pairs = pairs.sort_values(["factor", "B/A"], kind="stable").reset_index(drop=True) if len(pairs) else pairs
+    figure = Figure(figsize=(10, 1.5 + 0.28 * max(len(pairs), 4)))
+    ax = figure.subplots()
+    if not len(pairs):
+        _empty_note(ax, "no pairs of rows that differ in one factor")
+        return figure
+    y = np.arange(len(pairs))[::-1]
+    for yi, (_, pair) in zip(y, pairs.iterrows()):
+        color = VERDICT_COLORS.get(pair["verdict"], "black")
+        if not pd.isna(pair["B/A low"]):
+            ax.plot([pair["B/A low"], pair["B/A high"]], [yi, yi], "-", color=color, lw=2)
+        ax.plot(pair["B/A"], yi, "o", color=color)
+        seeds = [float(x) for x in str(pair["B/A per seed"] or "").split(",") if x.strip()]
+        ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(y, [f"{p['factor']}: {p['B']}  vs  {p['A']}" for _, p in pairs.iterrows()], fontsize="x-small")
+    ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; "
+                  "x: each seed")
+    for verdict, color in VERDICT_COLORS.items():
+        ax.plot([], [], "o-", color=color, label=verdict)
+    ax.legend(fontsize="small", loc="best")
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(title, fontsize="small")
+    figure.tight_layout()
+    return figure

@@ -132,6 +132,17 @@ def _key(row: dict, columns) -> tuple:
     return tuple(_text(row.get(c)) for c in columns)
 
 
+def seeds_once(records: list[dict], columns) -> dict[tuple, list[dict]]:
+    """Records grouped by their values in `columns`, each seed once: the first record of a seed, in the given
+    order, stands for it (the same run again, e.g. with a probe, is one measurement, not two)."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        group = groups.setdefault(_key(record, columns), [])
+        if _text(record.get("seed")) not in {_text(r.get("seed")) for r in group}:
+            group.append(record)
+    return groups
+
+
 @lru_cache(maxsize=256)
 def _samples(path: str) -> pd.DataFrame:
     from ..evaluation.samples import samples_frame
@@ -195,15 +206,10 @@ def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
     for extra in spec.extras:
         scored |= ours[extra].notna()
     ours = ours[ours["eval_sample"].notna() & scored]
-    rows: dict[tuple, Row] = {}
     records = ours.assign(_has_samples=ours["samples_file"].notna()).sort_values(
         ["_has_samples", "run_dir"], ascending=[False, True]).to_dict("records")
-    for record in records:
-        key = _key(record, ROW_KEYS)
-        row = rows.setdefault(key, Row(key={c: record.get(c) for c in ROW_KEYS}, runs=[]))
-        if _text(record.get("seed")) in {_text(s) for s in row.seeds}:
-            continue  # the same seed twice (e.g. the same run with a probe): one measurement, counted once
-        row.runs.append(record)
+    rows = {key: Row(key={c: runs[0].get(c) for c in ROW_KEYS}, runs=runs)
+            for key, runs in seeds_once(records, ROW_KEYS).items()}
     for row in rows.values():
         score_spec = row.spec = _row_spec(spec, row.runs[0])
         columns = {name: _ours_column(spec, name) for name in score_spec.reported} | {v: k for k, v in spec.extras.items()}
