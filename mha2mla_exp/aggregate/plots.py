@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
 from .records import recovery_recipe, variant_label
 from .render import eval_docs_label
@@ -319,6 +320,7 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
 
 
 VERDICT_COLORS = {"B lower": "C2", "B higher": "C3", "not resolved": "grey"}
+RATIO_TICKS = (0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)
 
 
 def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
@@ -340,6 +342,10 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
         ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
+    low, high = ax.get_xlim()   # ratios, not powers of ten
+    ax.set_xticks([t for t in RATIO_TICKS if low <= t <= high], minor=False)
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yticks(y, [f"{p['factor']}: {p['B']}  vs  {p['A']}" for _, p in pairs.iterrows()], fontsize="x-small")
     ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; "
                   "x: each seed")
