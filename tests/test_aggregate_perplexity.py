@@ -123,10 +123,10 @@ def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
 
 
 def _ppl_run(root: Path, name: str, *, rope: str, d_kv: int, seed: int, row_nll: list[float],
-             experiment: str = "cpu10x_table3") -> None:
+             experiment: str = "cpu10x_table3", r: int = 4) -> None:
     base = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
     base.update(run_name=name, experiment=experiment, status="ok")
-    base["mla"].update(rope=rope, d_kv=d_kv)
+    base["mla"].update(rope=rope, d_kv=d_kv, r=r)
     tokens = [511] * len(row_nll)
     base["eval"] = {"perplexity": {"heldout": math.exp(sum(row_nll) / len(row_nll)), "row_nll": row_nll,
                                    "row_tokens": tokens}}
@@ -152,6 +152,11 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     pairs = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3", "cpu10x_seed1"))
     by = {(row["A"].split(" r=")[0], row["B"].split(" r=")[0]): row for row in pairs.to_dict("records")}
     assert set(by) == {("2-norm", "high"), ("2-norm", "uniform"), ("high", "uniform")}
+    # r = 8 is compared with its own strategy at r = 4, not with another strategy at r = 4 (two changes)
+    _ppl_run(runs, "high_r8", rope="high", d_kv=16, seed=0, r=8, row_nll=[x - 0.3 for x in base])
+    with_r8 = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3", "cpu10x_seed1"))
+    r8 = with_r8[with_r8["B"].str.contains("r=8") | with_r8["A"].str.contains("r=8")]
+    assert len(r8) == 1 and r8.iloc[0]["A"].startswith("high r=4") and r8.iloc[0]["factor"] == "RoPE"
     high = by[("2-norm", "high")]
     assert high["factor"] == "RoPE" and high["seeds"] == "0,1" and high["held-out rows"] == 24
     assert high["B/A"] == pytest.approx(math.exp(-0.1)) and high["B/A high"] < 1 and high["verdict"] == "B lower"

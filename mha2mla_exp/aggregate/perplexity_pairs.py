@@ -2,8 +2,8 @@
 
 Rows are configurations (`records.ROW_KEYS`, seeds counted once) of the given experiments, read together (a
 table's seed-1 repeats live in an experiment of their own). Two rows are compared when they differ in exactly
-one *factor* (the RoPE strategy with its r, the SVD with its width, the conversion options, the recovery
-recipe, ...) and were scored on the same held-out rows. For each such pair:
+one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the SVD with its width; the
+conversion options; the recovery recipe; ...) and were scored on the same held-out rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
   averaged over the row's seeds first);
@@ -50,7 +50,15 @@ def _factor(a: dict, b: dict) -> str | None:
     if any(_text(a.get(k)) != _text(b.get(k)) for k in SAME):
         return None
     differ = [name for name, keys in FACTORS.items() if any(_text(a.get(k)) != _text(b.get(k)) for k in keys)]
+    if differ == ["RoPE"] and _partial(a) and _partial(b) and a.get("rope") != b.get("rope") and a.get("r") != b.get("r"):
+        return None   # another strategy at another r: two changes (NoPE or full RoPE against r pairs is one)
     return differ[0] if len(differ) == 1 else None
+
+
+def _partial(row: dict) -> bool:
+    """Whether the row keeps some, not all, rotary pairs (r > 0)."""
+    r = row.get("r")
+    return r is not None and not pd.isna(r) and float(r) > 0
 
 
 def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:
