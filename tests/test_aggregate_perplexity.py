@@ -157,6 +157,8 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     with_r8 = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3", "cpu10x_seed1"))
     r8 = with_r8[with_r8["B"].str.contains("r=8") | with_r8["A"].str.contains("r=8")]
     assert len(r8) == 1 and r8.iloc[0]["A"].startswith("high r=4") and r8.iloc[0]["factor"] == "RoPE"
+    # r = 8 has seed 0 only: its ratio is against high r = 4's seed 0, not against the mean of both seeds
+    assert r8.iloc[0]["seeds"] == "0" and r8.iloc[0]["B/A"] == pytest.approx(math.exp(-0.2))
     high = by[("2-norm", "high")]
     assert high["factor"] == "RoPE" and high["seeds"] == "0,1" and high["held-out rows"] == 24
     assert high["B/A"] == pytest.approx(math.exp(-0.1)) and high["B/A high"] < 1 and high["verdict"] == "B lower"

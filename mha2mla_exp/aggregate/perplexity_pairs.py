@@ -6,7 +6,7 @@ one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the S
 conversion options; the recovery recipe; ...) and were scored on the same held-out rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
-  averaged over the row's seeds first);
+  averaged over the seeds both rows have first);
 - its 95% interval: a paired percentile bootstrap over the held-out rows (the same resampled rows for A and B),
   i.e. the uncertainty from which text was held out, not from training noise;
 - per seed, the ratio of the runs with that seed: training noise, which two seeds only sample;
@@ -101,6 +101,8 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
         by_seed_a, by_seed_b = ({_text(r.get("seed")): r for r in g} for g in (a, b))
         shared = sorted(set(by_seed_a) & set(by_seed_b))
         per_seed = [by_seed_b[s]["heldout_ppl"] / by_seed_a[s]["heldout_ppl"] for s in shared]
+        if shared:   # the same data orders on both sides: a seed only one row has is left out of the ratio
+            a, b = [by_seed_a[s] for s in shared], [by_seed_b[s] for s in shared]
         nll_a, nll_b = _row_nll(a), _row_nll(b)
         comparable = nll_a is not None and nll_b is not None and len(nll_a[0]) == len(nll_b[0]) \
             and np.array_equal(nll_a[1], nll_b[1])
