@@ -327,7 +327,9 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     """`perplexity_pairs`' table as a forest plot: per pair, B/A on a log axis with its paired bootstrap 95 %
     interval (coloured by verdict) and each seed's own ratio as a cross; pairs grouped by the factor they vary."""
     pairs = pairs.sort_values(["factor", "B/A"], kind="stable").reset_index(drop=True) if len(pairs) else pairs
-    figure = Figure(figsize=(10, 1.5 + 0.28 * max(len(pairs), 4)))
+    labels = [f"{p['factor']}: {p['B']}  vs  {p['A']}" for _, p in pairs.iterrows()] if len(pairs) else []
+    # the labels are long: widen the figure with them so that the axis keeps ~6 inches
+    figure = Figure(figsize=(7 + 0.055 * max(map(len, labels), default=0), 1.5 + 0.28 * max(len(pairs), 4)))
     ax = figure.subplots()
     if not len(pairs):
         _empty_note(ax, "no pairs of rows that differ in one factor")
@@ -346,12 +348,12 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     ax.set_xticks([t for t in RATIO_TICKS if low <= t <= high], minor=False)
     ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_yticks(y, [f"{p['factor']}: {p['B']}  vs  {p['A']}" for _, p in pairs.iterrows()], fontsize="x-small")
+    ax.set_yticks(y, labels, fontsize="x-small")
     ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; "
                   "x: each seed")
     for verdict, color in VERDICT_COLORS.items():
         ax.plot([], [], "o-", color=color, label=verdict)
-    ax.legend(fontsize="small", loc="best")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3, axis="x")
     ax.set_title(title, fontsize="small")
     figure.tight_layout()
