@@ -1,9 +1,9 @@
 """Held-out perplexity differences that say whether they are resolved: the CPU reproduction's verdicts.
 
-Rows are configurations (`records.ROW_KEYS`, seeds counted once) of the given experiments, read together (a
-table's seed-1 repeats live in an experiment of their own). Two rows are compared when they differ in exactly
-one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the SVD with its width; the
-conversion options; the recovery recipe; ...) and were scored on the same held-out rows. For each such pair:
+Rows are configurations at a budget (`records.CONFIG_KEYS`, `BUDGET_KEYS`; seeds counted once) of the given
+experiments, read together (a table's seed-1 repeats live in an experiment of their own). Two rows are compared
+when they differ in exactly one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the
+SVD with its width; the conversion options; the recovery recipe; ...) and were scored on the same held-out rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
   averaged over the seeds both rows have first);
@@ -22,9 +22,9 @@ import numpy as np
 import pandas as pd
 
 from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
-from .records import ROW_KEYS
+from .records import BUDGET_KEYS, CONFIG_KEYS
 from .render import row_label
-from .tables import _text, seeds_once
+from .tables import _missing, _text, seeds_once
 
 # factor -> the row keys it spans; rows that differ in exactly one factor are compared
 FACTORS = {
@@ -34,15 +34,14 @@ FACTORS = {
     "recipe": ("objective", "trainable", "lr", "distill_token_passes"),
     "budget": ("train_tokens",),
 }
-SAME = tuple(k for k in ROW_KEYS if k not in {k for keys in FACTORS.values() for k in keys}
-             and k not in ("eval_sample", "eval_dtype"))
+ROW = CONFIG_KEYS + BUDGET_KEYS   # a row: the table rows' keys without the eval sample (perplexity has its own)
+SAME = tuple(k for k in ROW if k not in {k for keys in FACTORS.values() for k in keys})
 
 
 def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:
     ok = runs[(runs["status"] == "ok") & runs["experiment"].isin(list(experiments))
               & runs["heldout_ppl"].notna()] if len(runs) else runs
-    return seeds_once(ok.sort_values("run_dir").to_dict("records"),
-                      [k for k in ROW_KEYS if k not in ("eval_sample", "eval_dtype")])
+    return seeds_once(ok.sort_values("run_dir").to_dict("records"), ROW)
 
 
 def _factor(a: dict, b: dict) -> str | None:
@@ -50,15 +49,15 @@ def _factor(a: dict, b: dict) -> str | None:
     if any(_text(a.get(k)) != _text(b.get(k)) for k in SAME):
         return None
     differ = [name for name, keys in FACTORS.items() if any(_text(a.get(k)) != _text(b.get(k)) for k in keys)]
-    if differ == ["RoPE"] and _partial(a) and _partial(b) and a.get("rope") != b.get("rope") and a.get("r") != b.get("r"):
+    both_changed = all(_text(a.get(k)) != _text(b.get(k)) for k in ("rope", "r"))
+    if differ == ["RoPE"] and _partial(a) and _partial(b) and both_changed:
         return None   # another strategy at another r: two changes (NoPE or full RoPE against r pairs is one)
     return differ[0] if len(differ) == 1 else None
 
 
 def _partial(row: dict) -> bool:
     """Whether the row keeps some, not all, rotary pairs (r > 0)."""
-    r = row.get("r")
-    return r is not None and not pd.isna(r) and float(r) > 0
+    return not _missing(row.get("r")) and float(row["r"]) > 0
 
 
 def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:
