@@ -3,7 +3,8 @@
 Rows are configurations at a budget (`records.CONFIG_KEYS`, `BUDGET_KEYS`; seeds counted once) of the given
 experiments, read together (a table's seed-1 repeats live in an experiment of their own). Two rows are compared
 when they differ in exactly one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the
-SVD with its width; the conversion options; the recovery recipe; ...) and were scored on the same held-out rows. For each such pair:
+SVD with its width; the conversion options; the recovery recipe; ...) and were scored on the same held-out
+rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
   averaged over the seeds both rows have first);
