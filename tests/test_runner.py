@@ -43,6 +43,7 @@ def test_smoke_experiment_runs_records_and_skips_on_relaunch(tmp_path):
         assert (tmp_path / "smoke" / name / "config.yaml").exists()
         assert r["kv"]["bytes_per_token_measured"] > 0
         assert r["eval"]["perplexity"]["heldout"] > 1
+        assert 1 <= r["machine"]["torch_threads"] <= os.cpu_count()   # timings depend on it
     variants = {r["variant"] for r in results.values()}
     assert variants == {"original", "partial_rope", "partial_rope+svd"}
     mla = next(r for r in results.values() if r["variant"] == "partial_rope+svd")
