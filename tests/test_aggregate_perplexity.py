@@ -162,7 +162,7 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     high = by[("2-norm", "high")]
     assert high["factor"] == "RoPE" and high["seeds"] == "0,1" and high["held-out rows"] == 24
     assert high["B/A"] == pytest.approx(math.exp(-0.1)) and high["B/A high"] < 1 and high["verdict"] == "B lower"
-    assert high["B/A per seed"] == f"{math.exp(-0.1):.3f}, {math.exp(-0.1):.3f}"
+    assert high["B/A per seed"] == pytest.approx((math.exp(-0.1), math.exp(-0.1)))
     uniform = by[("2-norm", "uniform")]
     assert uniform["verdict"] == "not resolved"      # the interval excludes 1 (+0.025 on every row), the seeds disagree
     assert uniform["B/A low"] > 1

@@ -118,7 +118,7 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
             "factor": factor, "A": _label(a[0]), "B": _label(b[0]),
             "seeds": ",".join(shared) or f"A {len(a)}, B {len(b)} (none shared)",
             "ppl A": _ppl(a), "ppl B": _ppl(b), "B/A": estimate, "B/A low": low, "B/A high": high,
-            "B/A per seed": ", ".join(f"{x:.3f}" for x in per_seed),
+            "B/A per seed": tuple(per_seed),
             "held-out rows": len(nll_a[0]) if comparable else None,
             "verdict": verdict,
         })

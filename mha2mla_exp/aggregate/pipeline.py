@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from . import comparisons, plots
 from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, training_curves, variant_label
-from .render import dtype_view, main_view, pairwise_views, task_views, write_table, write_views
+from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
 from .recovery_study import RECOVERY_EXPERIMENTS, recovery_table
@@ -136,7 +136,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     for name, experiments in PERPLEXITY_PAIRS.items():
         pairs = perplexity_pairs(aggregate.runs, experiments)
         if len(pairs):
-            written += write_table(pairs.round(4), tables, name,
+            written += write_table(perplexity_pairs_view(pairs), tables, name,
                                    f"Held-out perplexity, every pair of rows of {', '.join(experiments)} that "
                                    "differs in one factor",
                                    "B/A: perplexity ratio (below 1: B better) with a paired bootstrap 95% interval "

@@ -340,7 +340,7 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
         if not pd.isna(pair["B/A low"]):
             ax.plot([pair["B/A low"], pair["B/A high"]], [yi, yi], "-", color=color, lw=2)
         ax.plot(pair["B/A"], yi, "o", color=color)
-        seeds = [float(x) for x in str(pair["B/A per seed"] or "").split(",") if x.strip()]
+        seeds = list(pair["B/A per seed"])
         ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")

@@ -217,6 +217,12 @@ def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", 
     return [out_dir / f"{name}.csv"] + write_views(out_dir, name, {"": table}, title, note)
 
 
+def perplexity_pairs_view(pairs: pd.DataFrame) -> pd.DataFrame:
+    """`perplexity_pairs` as written: ratios to 4 digits, each seed's ratio to 3."""
+    per_seed = pairs["B/A per seed"].map(lambda ratios: ", ".join(f"{x:.3f}" for x in ratios))
+    return pairs.round(4).assign(**{"B/A per seed": per_seed})
+
+
 def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFrame]:
     """The headline comparison: each pair's Avg difference with its interval, then per task."""
     main, per_task = [], []
