@@ -70,9 +70,10 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
 
 
 # experiment -> suite: every pair of their rows gets a table (REPORT.md cites them)
-PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "passkey_nope": "long_context"}
+PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "cpu10x_table1": "commonsense",
+                        "passkey_nope": "long_context"}
 # table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
-PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1")}
+PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1")}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
 
 
