@@ -47,13 +47,16 @@ def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:
 
 def _factor(a: dict, b: dict) -> str | None:
     """The one factor in which two rows differ, or None (none, or several, or a shared key differs)."""
-    if any(_text(a.get(k)) != _text(b.get(k)) for k in SAME):
+    if any(_differs(a, b, k) for k in SAME):
         return None
-    differ = [name for name, keys in FACTORS.items() if any(_text(a.get(k)) != _text(b.get(k)) for k in keys)]
-    both_changed = all(_text(a.get(k)) != _text(b.get(k)) for k in ("rope", "r"))
-    if differ == ["RoPE"] and _partial(a) and _partial(b) and both_changed:
+    differ = [name for name, keys in FACTORS.items() if any(_differs(a, b, k) for k in keys)]
+    if differ == ["RoPE"] and _partial(a) and _partial(b) and _differs(a, b, "rope") and _differs(a, b, "r"):
         return None   # another strategy at another r: two changes (NoPE or full RoPE against r pairs is one)
     return differ[0] if len(differ) == 1 else None
+
+
+def _differs(a: dict, b: dict, key: str) -> bool:
+    return _text(a.get(key)) != _text(b.get(key))
 
 
 def _partial(row: dict) -> bool:

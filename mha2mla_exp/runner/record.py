@@ -65,7 +65,7 @@ def machine_info(device: torch.device, processes: int = 1) -> dict:
     """The machine a number was made on: device, processor model and its bf16-relevant flags, threads, load."""
     info = {"device": device.type, "processes": processes, "torch": torch.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_model(),
-            "torch_threads": torch.get_num_threads()}   # fewer than the cores: other runs shared the machine
+            "torch_threads": torch.get_num_threads()}   # timings scale with it (OMP_NUM_THREADS)
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     else:
