@@ -123,10 +123,10 @@ def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
 
 
 def _ppl_run(root: Path, name: str, *, rope: str, d_kv: int, seed: int, row_nll: list[float],
-             experiment: str = "cpu10x_table3", r: int = 4) -> None:
+             experiment: str = "cpu10x_table3", r: int = 4, **mla) -> None:
     base = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
     base.update(run_name=name, experiment=experiment, status="ok")
-    base["mla"].update(rope=rope, d_kv=d_kv, r=r)
+    base["mla"].update(rope=rope, d_kv=d_kv, r=r, **mla)
     tokens = [511] * len(row_nll)
     base["eval"] = {"perplexity": {"heldout": math.exp(sum(row_nll) / len(row_nll)), "row_nll": row_nll,
                                    "row_tokens": tokens}}
@@ -175,3 +175,22 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     high_bar = next(ln for ln in ax.lines if ln.get_linestyle() == "-" and list(ln.get_ydata()) == [high_y] * 2)
     assert list(high_bar.get_xdata()) == pytest.approx([high["B/A low"], high["B/A high"]])
     assert high_bar.get_color() == VERDICT_COLORS["B lower"]
+
+
+def test_perplexity_pairs_leave_out_two_changes_within_a_factor(tmp_path):
+    runs = tmp_path / "runs"
+    base = list(4.0 + np.random.default_rng(1).normal(0, 0.3, 24))
+    _ppl_run(runs, "activation", rope="2-norm", d_kv=16, seed=0, row_nll=base, svd="joint", init="activation")
+    _ppl_run(runs, "sqrt", rope="2-norm", d_kv=16, seed=0, row_nll=[x + 0.01 for x in base], svd="joint",
+             init="activation", sigma="sqrt")
+    _ppl_run(runs, "weight", rope="2-norm", d_kv=16, seed=0, row_nll=[x + 0.3 for x in base], svd="joint",
+             init="weight")
+    _ppl_run(runs, "split8", rope="2-norm", d_kv=8, seed=0, row_nll=[x + 0.2 for x in base], svd="split",
+             init="activation")
+    pairs = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3",)).to_dict("records")
+    # one option each: sigma placement, and the weight SVD, each against activation-aware init; not sigma and
+    # init at once, and not another SVD at another width (split d_kv=8 against joint d_kv=16)
+    assert len(pairs) == 2 and {row["factor"] for row in pairs} == {"options"}
+    assert all("init=activation" in row["A"] and "sigma" not in row["A"] for row in pairs)
+    assert sorted("sigma=sqrt" in row["B"] for row in pairs) == [False, True]
+    assert not any("d_kv=8" in row["A"] + row["B"] for row in pairs)

@@ -2,9 +2,9 @@
 
 Rows are configurations at a budget (`records.CONFIG_KEYS`, `BUDGET_KEYS`; seeds counted once) of the given
 experiments, read together (a table's seed-1 repeats live in an experiment of their own). Two rows are compared
-when they differ in exactly one *factor* (the RoPE strategy or its r, or no/full RoPE against partial; the
-SVD with its width; the conversion options; the recovery recipe; ...) and were scored on the same held-out
-rows. For each such pair:
+when they differ in exactly one thing (the RoPE strategy, or its r, or no/full RoPE against partial; the SVD,
+or its width, or none against one; one conversion option; the recovery recipe, as a whole; the budget) and were
+scored on the same held-out rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
   averaged over the seeds both rows have first);
@@ -50,9 +50,21 @@ def _factor(a: dict, b: dict) -> str | None:
     if any(_differs(a, b, k) for k in SAME):
         return None
     differ = [name for name, keys in FACTORS.items() if any(_differs(a, b, k) for k in keys)]
-    if differ == ["RoPE"] and _partial(a) and _partial(b) and _differs(a, b, "rope") and _differs(a, b, "r"):
-        return None   # another strategy at another r: two changes (NoPE or full RoPE against r pairs is one)
-    return differ[0] if len(differ) == 1 else None
+    return differ[0] if len(differ) == 1 and _one_change(differ[0], a, b) else None
+
+
+def _one_change(factor: str, a: dict, b: dict) -> bool:
+    """Whether two rows that differ only in `factor` differ in one thing: not another strategy at another r,
+    another SVD at another width, or two conversion options at once. Switching a factor off (NoPE or full RoPE
+    against r pairs, no SVD against an SVD at its width) is one change; a recipe is compared as a whole."""
+    if factor == "RoPE":
+        return not (_partial(a) and _partial(b) and _differs(a, b, "rope") and _differs(a, b, "r"))
+    if factor == "SVD":
+        return not (_low_rank(a) and _low_rank(b) and _differs(a, b, "svd") and _differs(a, b, "d_kv"))
+    if factor == "options":
+        options_a, options_b = _options(a), _options(b)
+        return sum(options_a.get(k) != options_b.get(k) for k in options_a.keys() | options_b.keys()) == 1
+    return True
 
 
 def _differs(a: dict, b: dict, key: str) -> bool:
@@ -62,6 +74,16 @@ def _differs(a: dict, b: dict, key: str) -> bool:
 def _partial(row: dict) -> bool:
     """Whether the row keeps some, not all, rotary pairs (r > 0)."""
     return not _missing(row.get("r")) and float(row["r"]) > 0
+
+
+def _low_rank(row: dict) -> bool:
+    return _text(row.get("svd")) not in ("", "none")
+
+
+def _options(row: dict) -> dict[str, str]:
+    """A row's non-default conversion options ("sigma=sqrt, init=activation") as {name: value}."""
+    text = _text(row.get("options"))
+    return dict(item.split("=", 1) for item in text.split(", ")) if text else {}
 
 
 def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:
