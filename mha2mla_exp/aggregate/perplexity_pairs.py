@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
-from .records import BUDGET_KEYS, CONFIG_KEYS
+from .records import BUDGET_KEYS, CONFIG_KEYS, options_from_label
 from .render import row_label
 from .tables import _missing, _text, seeds_once
 
@@ -81,9 +81,7 @@ def _low_rank(row: dict) -> bool:
 
 
 def _options(row: dict) -> dict[str, str]:
-    """A row's non-default conversion options ("sigma=sqrt, init=activation") as {name: value}."""
-    text = _text(row.get("options"))
-    return dict(item.split("=", 1) for item in text.split(", ")) if text else {}
+    return options_from_label(_text(row.get("options")))
 
 
 def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -350,6 +350,11 @@ def options_label(record: dict) -> str | None:
     return ", ".join(changed) or None
 
 
+def options_from_label(label: str | None) -> dict[str, str]:
+    """`options_label`'s text back as {name: value} ({} for the paper's defaults)."""
+    return dict(item.split("=", 1) for item in label.split(", ")) if label else {}
+
+
 def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
     """The canonical frame of a flat frame, one row per run, in the same order."""
     rows = [canonical_run({k: v for k, v in rec.items()}) for rec in flat.to_dict("records")]
