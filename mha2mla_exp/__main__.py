@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from .confutil import CONF_DIR
 from .runner import ConfigError, run
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("mha2mla_exp")
 
 
@@ -29,7 +28,7 @@ def export_submitit_distributed_env() -> None:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     """Run one cell; in a sweep a failed cell is recorded and returned (runner.sweep sums the cells up at the
     end and exits non-zero if any failed) instead of stopping the others."""

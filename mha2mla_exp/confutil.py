@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the Hydra config groups (an editable install's)
 
 
 def as_plain_dict(cfg: Any, group: str) -> dict:

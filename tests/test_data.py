@@ -505,7 +505,11 @@ def test_model_and_data_configs_compose(model, data, tmp_path, monkeypatch):
             check_model_config(cfg.model)
     else:
         check_model_config(cfg.model)
-    check_data_config(cfg.data)
+    if data == "teacher_samples" and OmegaConf.is_missing(cfg.model, "id"):  # the teacher is that same model
+        with pytest.raises(ValueError, match=r"model.id: missing"):
+            check_data_config(cfg.data)
+    else:
+        check_data_config(cfg.data)
     assert cfg.data.seq_len == cfg.model.finetune_length  # the paper fine-tunes at the model's window
 
 

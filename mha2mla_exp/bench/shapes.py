@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ..confutil import CONF_DIR
 from ..mla import MLAConfig, MLAForCausalLM, MLASpec, ModelShape, convert_to_mla, fixed_pairs
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ SHAPES = {
 }
 REAL = "real-smollm2"
 REAL_SHAPE = SHAPES["smollm-135m"]
-MODEL_CONF = Path(__file__).resolve().parents[2] / "conf" / "model" / "smollm2_135m.yaml"
+MODEL_CONF = CONF_DIR / "model" / "smollm2_135m.yaml"
 
 
 def build_mha(name: str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:

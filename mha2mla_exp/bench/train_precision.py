@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from ..runner.record import cpu_model
+from ..machine import cpu_model
 from ..train.precision import MODES, cpu_bf16_speedup, precision_for
 
 RECIPE = {"pretrain_share_pct": None, "seq_len": 256, "micro_batch_size": 4, "grad_accum": 2, "lr": 1e-4,

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -102,26 +103,35 @@ def resolve_separator(cfg: dict, tokenizer) -> int:
     return int(ids[0])
 
 
+def document_tokens(cfg: dict, tokenizer) -> Iterator[tuple[str, list[int]]]:
+    """(split key, token ids) per document, in the source's order. Text is tokenized in batches and split by
+    its own text; a teacher source's samples are token ids already (decoding and encoding them again would
+    not give the same ids back) and are split by their ids."""
+    if cfg["source"] == "teacher":
+        from .teacher import teacher_documents
+
+        for ids in teacher_documents(cfg, tokenizer):
+            yield ",".join(map(str, ids)), ids
+        return
+    texts = (t for t in iter_documents(cfg) if t.strip())  # blank documents would only add a separator
+    while chunk := list(islice(texts, _CHUNK)):
+        yield from zip(chunk, tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+
+
 def tokenize_corpus(cfg: dict, tokenizer, separator: int) -> dict[str, torch.Tensor]:
     """Read, split and tokenize the corpus; documents in each split are put in a seeded random order."""
     fraction, seed = cfg["held_out_fraction"], cfg["split_seed"]
     max_docs, max_tokens = cfg.get("max_documents"), cfg.get("max_tokens")
     docs: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
-    n_docs = n_tokens = 0
-    texts = (t for t in iter_documents(cfg) if t.strip())  # blank documents would only add a separator
+    n_tokens = 0
+    documents = document_tokens(cfg, tokenizer)
     if max_docs is not None:
-        texts = islice(texts, int(max_docs))
-    while max_tokens is None or n_tokens < max_tokens:  # stops at the first document boundary past max_tokens
-        chunk = list(islice(texts, _CHUNK))
-        if not chunk:
+        documents = islice(documents, int(max_docs))
+    for key, tokens in documents:  # stops at the first document boundary past max_tokens
+        docs["held_out" if is_held_out(key, fraction, seed) else "train"].append(tokens)
+        n_tokens += len(tokens) + 1
+        if max_tokens is not None and n_tokens >= max_tokens:
             break
-        ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
-        for text, tokens in zip(chunk, ids):
-            docs["held_out" if is_held_out(text, fraction, seed) else "train"].append(tokens)
-            n_docs += 1
-            n_tokens += len(tokens) + 1
-            if max_tokens is not None and n_tokens >= max_tokens:
-                break
     out = {}
     for i, split in enumerate(SPLITS):
         order = torch.randperm(len(docs[split]), generator=torch.Generator().manual_seed(seed + i))
@@ -245,6 +255,10 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
         "cache": str(path) if path else None,
         "cache_hit": hit,
     }
+    if cfg["source"] == "teacher":  # what writing the text cost, counted once per set (not per run)
+        from .teacher import generation_cost
+
+        stats["generation"] = generation_cost(cfg)
     log.info("data %r: %s", name, {k: stats[k] for k in ("documents", "tokens", "rows")})
     return PreparedData(
         name=name, seq_len=seq_len, separator_id=separator,

@@ -5,7 +5,9 @@ A data config (conf/data/*.yaml) names the source:
     source: local   paths: <folder | glob | file>...  .txt = one document per file,
                                                       .jsonl(.gz) = one per line (field `text_field`)
     source: hub     mixture: [{path, config, split, weight, text_field | blob_field}, ...]
-Every source yields plain strings in a fixed order; splitting and tokenizing happen in prepare.py.
+    source: teacher teacher: <model config>  generation: {...}   text the model writes itself (teacher.py)
+Every source but `teacher` yields plain strings in a fixed order; a teacher's samples are token ids already.
+Splitting and tokenizing happen in prepare.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from ..confutil import as_plain_dict
 
-SOURCES = ("asset", "local", "hub")
+SOURCES = ("asset", "local", "hub", "teacher")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
@@ -55,6 +57,10 @@ def check_data_config(data_cfg: Any) -> None:
             raise ValueError(f"data.id: {e}{extra}") from None
     elif source == "local":
         local_files(cfg.get("paths"))  # raises when nothing matches
+    elif source == "teacher":
+        from .teacher import check_teacher_config
+
+        check_teacher_config(cfg)
     else:
         check_mixture(cfg.get("mixture"))
         for key in ("max_tokens", "max_documents"):
@@ -212,12 +218,23 @@ def corpus_fingerprint(cfg: dict) -> dict:
         files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local_files(cfg.get("paths"))]
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
         return {"source": source, "files": digest, "text_field": cfg.get("text_field", "text")} | limits
+    if source == "teacher":
+        from dataclasses import asdict
+
+        from .teacher import GenerationConfig, teacher_fingerprint
+
+        return {"source": source, "teacher": teacher_fingerprint(cfg["teacher"]),
+                "generation": asdict(GenerationConfig.from_cfg(cfg["generation"]))} | limits
     return {"source": source, "mixture": cfg["mixture"], "mixture_seed": cfg.get("mixture_seed", 0)} | limits
 
 
 def iter_documents(data_cfg: Any) -> Iterator[str]:
-    """The documents of `data_cfg`, in a fixed order (limits are applied by the caller)."""
+    """The documents of `data_cfg`, in a fixed order (limits are applied by the caller); a teacher source's
+    are token ids (prepare.document_tokens reads them)."""
     cfg = as_plain_dict(data_cfg, "data")
+    if cfg["source"] == "teacher":
+        raise ValueError("data.source: a teacher source's documents are token ids; read them with "
+                         "mha2mla_exp.data.prepare.document_tokens")
     if cfg["source"] == "asset":
         from ..assets import asset_documents
 

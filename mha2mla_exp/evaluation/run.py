@@ -95,13 +95,14 @@ def held_out_batches(held_out, batch_size: int):
 
 
 def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None, kv_quant=None,
-                   window: int | None = None, samples_path=None) -> dict:
+                   window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None) -> dict:
     """Evaluate an in-memory causal LM (original or MLA); returns the run record's `eval` block.
 
     held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity.
     kv_quant: None or {backend, nbits, residual_length, q_group_size}: the cache of generation tasks.
     window: the evaluation window (the fine-tuning length); None: the model's context length.
     samples_path: where the per-document results go (gzipped JSON lines); None: not written.
+    extra_held_out: {name: rows} scored like `held_out`, as `perplexity["heldout:<name>"]` (+ its row NLLs).
     eval_cfg's `dtype` casts the model in place (see the module docstring).
     """
     from .lm import EvalLM
@@ -131,12 +132,14 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
             out["perplexity"]["heldout"] = None
         else:
             out["meta"]["perplexity_dtype"] = _dtype_name(model.dtype)
-            rows_nll = []
-            out["perplexity"]["heldout"] = perplexity(model, held_out_batches(held_out, p["batch_size"]),
-                                                      max_batches=p["max_batches"], rows=rows_nll)
-            # per held-out row: mean NLL (nats/token) and its tokens, for paired intervals over the same rows
-            out["perplexity"]["row_nll"] = [round(nll / max(n, 1), 6) for nll, n in rows_nll]
-            out["perplexity"]["row_tokens"] = [int(n) for _, n in rows_nll]
+            sets = {"": held_out} | {f":{name}": extra for name, extra in (extra_held_out or {}).items()}
+            for suffix, token_rows in sets.items():
+                rows_nll = []
+                out["perplexity"][f"heldout{suffix}"] = perplexity(
+                    model, held_out_batches(token_rows, p["batch_size"]), max_batches=p["max_batches"], rows=rows_nll)
+                # per held-out row: mean NLL (nats/token) and its tokens, for paired intervals over the same rows
+                out["perplexity"][f"row_nll{suffix}"] = [round(nll / max(n, 1), 6) for nll, n in rows_nll]
+                out["perplexity"][f"row_tokens{suffix}"] = [int(n) for _, n in rows_nll]
         timings["perplexity"] = round(time.perf_counter() - t, 2)
     if cfg["commonsense"] is not None:
         from .commonsense import evaluate_commonsense

@@ -85,6 +85,11 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"variant: {cfg.model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
                           "(its rope/svd settings are read from its config.json, not converted again)")
     _check_source("data", check_data_config, cfg.data)
+    if training_data_cfg(cfg) is not None:  # recovery text other than the run's corpus (calibration, held-out)
+        try:
+            check_data_config(cfg.train.data)
+        except ValueError as err:
+            raise ConfigError(f"train.{err}" if str(err).startswith("data.") else f"train.data: {err}") from err
     _check_eval(cfg.eval)
     notes = []
 
@@ -113,6 +118,9 @@ def validate(cfg: DictConfig) -> RunPlan:
             raise ConfigError(str(err) if str(err).startswith("kv_quant") else f"kv_quant: {err}") from err
 
     fine_tune = bool(cfg.train.enabled) and cfg.variant != "original"
+    if training_data_cfg(cfg) is not None and not fine_tune:
+        raise ConfigError("train.data: recovery text is set, but this run fine-tunes nothing "
+                          f"(train.enabled={cfg.train.enabled}, variant={cfg.variant})")
     distill = spec is not None and bool(cfg.distill.enabled)
     if cfg.variant == "finetuned_full_attention" and not cfg.train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
@@ -148,6 +156,12 @@ def validate(cfg: DictConfig) -> RunPlan:
         conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation_identity(cfg, eval_dtype=eval_dtype)), notes=tuple(notes),
     )
+
+
+def training_data_cfg(cfg: DictConfig):
+    """The fine-tune's own corpus (`train.data`, e.g. `+data@train.data=teacher_samples`), or None: the fine-tune
+    reads the run's `data`, which always gives the calibration sample and the held-out rows."""
+    return cfg.train.get("data") if "train" in cfg else None
 
 
 def world_size() -> int:
@@ -272,6 +286,8 @@ def describe_trained(plan: RunPlan, cfg: DictConfig) -> str:
         recipe += f"-lr{float(t.lr):g}" if float(t.lr) != PAPER_LR else ""
         recipe += "-compiled" if t.get("compile") else ""
         recipe += f"-{_PRECISION_TAGS[plan.precision.mode]}" if _PRECISION_TAGS[plan.precision.mode] else ""
+        tag = (training_data_cfg(cfg) or cfg.data).get("tag")  # what it recovered on, unless the default corpus
+        recipe += f"-{tag}" if tag else ""
         parts.append(f"ft{budget}{recipe}")
     parts.append(f"s{cfg.seed}")
     return "__".join(str(p) for p in parts)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import tempfile
 from pathlib import Path
 
-import torch
+
+from ..machine import cpu_model, machine_info  # noqa: F401  (re-exported: the record's machine block)
 
 FINAL_STATUSES = ("ok", "diverged")  # a relaunch skips these; failed or interrupted runs resume
 
@@ -59,42 +59,6 @@ class MetricsLog:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
-
-
-def machine_info(device: torch.device, processes: int = 1) -> dict:
-    """The machine a number was made on: device, processor model and its bf16-relevant flags, threads, load."""
-    info = {"device": device.type, "processes": processes, "torch": torch.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_model(),
-            "torch_threads": torch.get_num_threads()}   # timings scale with it (OMP_NUM_THREADS)
-    if device.type == "cuda":
-        info["name"] = torch.cuda.get_device_name(device)
-    else:
-        info["name"] = f"{os.cpu_count()}-core {info['cpu']['model']}"
-    try:
-        info["load_avg_1m"] = round(os.getloadavg()[0], 2)  # a shared machine slows every timing
-    except OSError:
-        pass
-    return info
-
-
-_BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
-
-
-def cpu_model() -> dict:
-    """The CPU's model name and which bf16-relevant instruction sets it has (from /proc/cpuinfo, as lscpu)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-            if flags and model:
-                break
-    except OSError:
-        pass
-    return {"model": model, "bf16_flags": [f for f in _BF16_FLAGS if f in flags]}
 
 
 def headline(record: dict) -> str:

@@ -60,10 +60,12 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     tokenizer = stages.load_tokenizer(cfg)
     with dist.main_process_first():  # the token cache is written once
         data = stages.prepare_data(cfg, tokenizer)
-    rows = None
+        train_data = stages.prepare_training_data(cfg, tokenizer)  # None: the fine-tune reads `data`
+    rows, also = None, {}
     if plan.fine_tune:
         try:
-            rows = stages.training_rows(cfg, data, dist.num_processes)
+            rows = stages.training_rows(cfg, train_data or data, dist.num_processes)
+            also = stages.also_held_out(data, train_data)
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
@@ -85,6 +87,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         "mla": plan.spec.to_dict() if plan.spec else None,
         "kv_quant": plan.kv_quant,
         "data": dict(data.stats),
+        "train_data": dict(train_data.stats) if train_data is not None else None,
         "trained_model": str(trained.dir) if plan.trains else None,
         "kv": None, "train": None, "eval": None,
         "timings": {},
@@ -103,7 +106,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
             if plan.trains and trained.metrics_path.exists():
                 shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
             write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir)
+            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also)
         record["status"] = "ok"
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
@@ -287,11 +290,11 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
             record["conversion"]["lowrank_factors"] = FACTOR_SPLIT
 
 
-def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir) -> None:
+def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also=None) -> None:
     t = time.perf_counter()
     record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the model's own
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
-    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir)
+    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir, also=also)
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 

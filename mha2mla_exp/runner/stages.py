@@ -56,6 +56,15 @@ def prepare_data(cfg: DictConfig, tokenizer):
     return prepare(cfg.data, tokenizer)
 
 
+def prepare_training_data(cfg: DictConfig, tokenizer):
+    """The fine-tune's own corpus when `train.data` names one (e.g. text the teacher writes), else None."""
+    from ..data import prepare_data as prepare
+    from .config import training_data_cfg
+
+    train_data = training_data_cfg(cfg) if cfg.train.enabled else None
+    return None if train_data is None else prepare(train_data, tokenizer)
+
+
 def training_rows(cfg: DictConfig, data, num_processes: int):
     """The fine-tune's rows; a budget that would repeat a finite corpus is refused here, before any weight
     is loaded, unless train.epochs_allowed says so."""
@@ -133,9 +142,25 @@ def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     return record
 
 
-def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None) -> dict:
+def also_held_out(data, train_data) -> dict[str, torch.Tensor]:
+    """{name: rows} of the fine-tune's own corpus's held-out split, cut to the run's held-out row length, scored
+    beside the run's held-out rows; ValueError (before any training) when it holds not one such row."""
+    if train_data is None:
+        return {}
+    from ..data import pack
+
+    length = data.held_out.shape[1]
+    rows = pack(train_data.stream("held_out"), length).rows
+    if rows.shape[0] == 0:
+        raise ValueError(f"train.data.held_out_fraction: the held-out split of {train_data.name!r} has "
+                         f"{train_data.stream('held_out').numel()} tokens, not one row of {length} to score")
+    return {train_data.name: rows}
+
+
+def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None, also=None) -> dict:
     """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables;
-    their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE)."""
+    their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE). `also`: {name: rows} of
+    other held-out text scored the same way (`also_held_out`)."""
     from ..evaluation import run_evaluation
     from ..evaluation.samples import SAMPLES_FILE
 
@@ -145,7 +170,7 @@ def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=Non
     result = run_evaluation(
         model, tokenizer, eval_cfg,
         held_out=data.held_out, kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
-        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE,
+        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE, extra_held_out=also,
     )
     log.info("evaluation took %.1f s", time.perf_counter() - started)
     return result

@@ -1,0 +1,314 @@
+"""Text written by the original model itself, as recovery data (LLM-QAT, arXiv 2305.17888, section 2.1).
+
+The converted model forgets what the original knew when it is fine-tuned on a corpus far from the one the
+original was trained on (here: State of the Union speeches). LLM-QAT's answer, which needs no pretraining
+data: let the original model write the training text. Each sample starts from one token (uniform over the
+vocabulary's ordinary tokens, or drawn from a list of words), continues with a few greedy tokens (so the
+start settles into something the model finds likely), then samples to full length; a sample that emits EOS
+ends there. The samples are the documents of a data source like any other (`source: teacher`,
+conf/data/teacher_samples.yaml): split by document, packed, cached, budgeted.
+
+Generation is batched with the KV cache (transformers' Cache API), seeded per shard (a shard is one batch:
+its tokens are a pure function of (generation config, shard index)), written shard by shard atomically,
+and resumed shard by shard: an interrupted generation loses at most one batch, and asking for more samples
+later generates only the missing shards. The shards live under <cache>/teacher/<teacher>-<key>/, key = the
+teacher's identity and every generation setting but the count; `generation.json` there states what each
+shard cost in CPU-seconds (process time, all threads) and wall seconds, on which machine.
+
+`python -m mha2mla_exp.data.teacher [overrides]` generates the set a data config names and publishes a small
+readable sample (results/teacher_samples/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+FIRST_TOKENS = ("vocabulary", "list")
+FORMAT = 1
+_PAD = -1  # after a sample's EOS
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How the teacher writes (data.generation). Every field but `count` is part of the shards' key."""
+
+    count: int                      # samples (documents) in the set
+    length: int = 256               # tokens per sample at most, the first token included
+    greedy_tokens: int = 4          # argmax tokens after the first one (LLM-QAT: "the first 3~5 tokens")
+    temperature: float = 1.0
+    top_k: int | None = None        # None: sample from the whole distribution (LLM-QAT)
+    first_token: str = "vocabulary"  # vocabulary (uniform over non-special tokens) | list (`first_words`)
+    first_words: tuple[str, ...] = ()
+    seed: int = 0
+    batch_size: int = 32            # samples per batch = per shard: the unit of seeding and of resume
+    dtype: str = "bfloat16"         # the teacher's compute dtype while generating (float32 | bfloat16)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "GenerationConfig":
+        """Validated from a mapping; ValueError naming `data.generation.<key>`."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"data.generation: a teacher source needs a mapping of generation settings, got {cfg!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"data.generation: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(cfg)
+        if "first_words" in values:
+            values["first_words"] = tuple(values["first_words"] or ())
+        for key in ("count", "length", "batch_size"):
+            _positive_int(values.get(key, getattr(cls, key, None)), key)
+        if values.get("length", cls.length) < 2:
+            raise ValueError(f"data.generation.length: a sample needs at least 2 tokens, got {values['length']}")
+        greedy = values.get("greedy_tokens", cls.greedy_tokens)
+        if isinstance(greedy, bool) or not isinstance(greedy, int) or greedy < 0:
+            raise ValueError(f"data.generation.greedy_tokens: expected an integer >= 0, got {greedy!r}")
+        temperature = values.get("temperature", cls.temperature)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+            raise ValueError(f"data.generation.temperature: expected a positive number, got {temperature!r}")
+        top_k = values.get("top_k")
+        if top_k is not None:
+            _positive_int(top_k, "top_k")
+        first = values.get("first_token", cls.first_token)
+        if first not in FIRST_TOKENS:
+            raise ValueError(f"data.generation.first_token: unknown {first!r}; expected one of {', '.join(FIRST_TOKENS)}")
+        if first == "list" and not values.get("first_words"):
+            raise ValueError("data.generation.first_words: first_token='list' needs a non-empty list of words")
+        if values.get("dtype", cls.dtype) not in ("float32", "bfloat16"):
+            raise ValueError(f"data.generation.dtype: expected float32 or bfloat16, got {values['dtype']!r}")
+        if isinstance(values.get("seed", 0), bool) or not isinstance(values.get("seed", 0), int):
+            raise ValueError(f"data.generation.seed: expected an integer, got {values['seed']!r}")
+        return cls(**values)
+
+    @property
+    def shards(self) -> int:
+        return -(-self.count // self.batch_size)
+
+    def key_material(self) -> dict:
+        """What the shards' tokens depend on: everything but the count (more samples extend a set)."""
+        return {k: v for k, v in asdict(self).items() if k != "count"}
+
+
+def _positive_int(value, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"data.generation.{key}: expected a positive integer, got {value!r}")
+
+
+def check_teacher_config(cfg: Mapping) -> GenerationConfig:
+    """The checks of a `source: teacher` data config that need no weights: the generation block and the
+    teacher's model config (data.teacher, by default the run's model)."""
+    from ..models import check_model_config
+
+    teacher = cfg.get("teacher")
+    if not isinstance(teacher, Mapping):
+        raise ValueError(f"data.teacher: a teacher source names the model that writes it (a model config; "
+                         f"conf/data/teacher_samples.yaml uses the run's own, ${{model}}), got {teacher!r}")
+    try:
+        check_model_config(teacher)
+    except ValueError as err:
+        raise ValueError(f"data.teacher: {err}") from None
+    return GenerationConfig.from_cfg(cfg.get("generation"))
+
+
+def teacher_fingerprint(teacher: Mapping) -> dict:
+    """What identifies the model that writes: its source and id (an asset by its pinned wheel and sha256)."""
+    fp = {k: teacher.get(k) for k in ("source", "id", "revision")}
+    if teacher.get("source") == "asset":
+        from ..assets import get_asset
+
+        asset = get_asset(teacher["id"], kind="model")
+        fp |= {"asset": asset.requirement, "sha256": asset.sha256}
+    elif teacher.get("source") == "random":
+        fp |= {k: teacher.get(k) for k in ("shape", "vocab_size", "intermediate_size", "seed")}
+    return fp
+
+
+def shard_dir(cfg: Mapping) -> Path:
+    from ..assets import cache_dir
+
+    gen = GenerationConfig.from_cfg(cfg["generation"])
+    material = {"format": FORMAT, "teacher": teacher_fingerprint(cfg["teacher"]), "generation": gen.key_material()}
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+    name = str(cfg["teacher"].get("name") or cfg["teacher"].get("id") or "teacher").replace("/", "_")
+    return cache_dir() / "teacher" / f"{name}-{key}"
+
+
+def first_token_ids(gen: GenerationConfig, tokenizer, n: int, generator: torch.Generator) -> torch.Tensor:
+    """`n` first tokens: uniform over the vocabulary without special tokens, or the first token of a
+    uniformly drawn word of `first_words` (each word tokenized with a leading space where it has none)."""
+    if gen.first_token == "list":
+        starts = [tokenizer(w if w.startswith(" ") else " " + w, add_special_tokens=False)["input_ids"][:1]
+                  for w in gen.first_words]
+        if any(not s for s in starts):
+            raise ValueError("data.generation.first_words: a word tokenizes to nothing")
+        choices = torch.tensor([s[0] for s in starts])
+        return choices[torch.randint(len(choices), (n,), generator=generator)]
+    special = set(tokenizer.all_special_ids)
+    choices = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    return choices[torch.randint(len(choices), (n,), generator=generator)]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return sorted(set(ids))
+
+
+@torch.no_grad()
+def generate_batch(model, first: torch.Tensor, gen: GenerationConfig, generator: torch.Generator,
+                   eos: list[int]) -> torch.Tensor:
+    """[B, length] token ids from first tokens `first` [B]: greedy for `greedy_tokens`, then sampled at
+    `temperature` (top-k when set); positions after a sample's EOS hold -1. One prefill token, then one
+    cached forward per position (transformers' DynamicCache)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    batch = first.shape[0]
+    out = torch.full((batch, gen.length), _PAD, dtype=torch.long)
+    out[:, 0] = first
+    done = torch.isin(first, torch.tensor(eos, dtype=torch.long))
+    cache = DynamicCache(config=model.config)
+    step_input = first[:, None].to(device)
+    for t in range(1, gen.length):
+        logits = model(input_ids=step_input, cache=cache, use_cache=True).logits[:, -1].float().cpu()
+        if t <= gen.greedy_tokens:
+            nxt = logits.argmax(-1)
+        else:
+            logits = logits / gen.temperature
+            if gen.top_k is not None and gen.top_k < logits.shape[-1]:
+                kth = logits.topk(gen.top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+        out[:, t] = torch.where(done, torch.full_like(nxt, _PAD), nxt)
+        done |= torch.isin(nxt, torch.tensor(eos, dtype=torch.long))
+        if bool(done.all()):
+            break
+        step_input = nxt[:, None].to(device)
+    return out
+
+
+def shard_seed(gen: GenerationConfig, shard: int) -> int:
+    """A shard's generator seed: a pure function of (seed, shard), so shards can be made in any order."""
+    digest = hashlib.sha256(f"{gen.seed}:{shard}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def generate_shards(cfg: Mapping, tokenizer, *, model=None, progress: bool = True) -> Path:
+    """Make every missing shard of the set `cfg` (a `source: teacher` data config) names; returns the folder.
+
+    The teacher is loaded only when a shard is missing (`model` overrides loading it)."""
+    gen = check_teacher_config(cfg)
+    folder = shard_dir(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    missing = [s for s in range(gen.shards) if not (folder / _shard_name(s)).is_file()]
+    if not missing:
+        return folder
+    from filelock import FileLock
+
+    with FileLock(str(folder / ".lock")):  # one writer per set, even across runs of a parallel sweep
+        missing = [s for s in range(gen.shards) if not (folder / _shard_name(s)).is_file()]
+        if not missing:
+            return folder
+        if model is None:
+            from ..models import load_model
+
+            model, _ = load_model(cfg["teacher"], dtype=gen.dtype)
+        else:
+            model = model.to(getattr(torch, gen.dtype))
+        _check_same_tokenizer(model, tokenizer)
+        model.eval()
+        device = next(model.parameters()).device
+        eos = eos_ids(model, tokenizer)
+        manifest = _read_manifest(folder) or {"format": FORMAT, "teacher": teacher_fingerprint(cfg["teacher"]),
+                                              "generation": gen.key_material(), "shards": {}}
+        bar = _progress(len(missing) * gen.batch_size * gen.length, progress,
+                        f"teacher samples ({len(missing)} of {gen.shards} batches to write)")
+        for shard in missing:
+            cpu, wall = time.process_time(), time.perf_counter()
+            generator = torch.Generator().manual_seed(shard_seed(gen, shard))
+            first = first_token_ids(gen, tokenizer, gen.batch_size, generator)
+            ids = generate_batch(model, first, gen, generator, eos)
+            tmp = folder / f".{_shard_name(shard)}.{os.getpid()}.tmp"
+            save_file({"ids": ids.int()}, str(tmp))
+            os.replace(tmp, folder / _shard_name(shard))
+            tokens = int((ids != _PAD).sum())
+            manifest["shards"][str(shard)] = {
+                "tokens": tokens, "cpu_s": round(time.process_time() - cpu, 2),
+                "wall_s": round(time.perf_counter() - wall, 2), "machine": _machine(device),
+                "torch_threads": torch.get_num_threads()}
+            _write_manifest(folder, manifest)
+            bar.update(gen.batch_size * gen.length)
+        bar.close()
+    return folder
+
+
+def teacher_documents(cfg: Mapping, tokenizer, *, model=None) -> Iterator[list[int]]:
+    """The first `count` samples of the set, in shard order, as token-id lists (EOS and what follows cut),
+    generating the shards that are missing first."""
+    gen = GenerationConfig.from_cfg(cfg["generation"])
+    folder = generate_shards(cfg, tokenizer, model=model)
+    left = gen.count
+    for shard in range(gen.shards):
+        ids = load_file(folder / _shard_name(shard))["ids"].long()
+        for row in ids[:left]:
+            yield row[row != _PAD].tolist()
+        left -= len(ids)
+
+
+def generation_cost(cfg: Mapping) -> dict:
+    """What the first `count` samples cost to write (from the manifest): tokens, CPU-seconds, wall seconds."""
+    gen = GenerationConfig.from_cfg(cfg["generation"])
+    shards = (_read_manifest(shard_dir(cfg)) or {}).get("shards", {})
+    used = [shards.get(str(s)) for s in range(gen.shards)]
+    known = [s for s in used if s]
+    return {"shards": gen.shards, "shards_with_cost": len(known), "tokens": sum(s["tokens"] for s in known),
+            "cpu_s": round(sum(s["cpu_s"] for s in known), 1), "wall_s": round(sum(s["wall_s"] for s in known), 1),
+            "machines": sorted({s["machine"] for s in known})}
+
+
+def _check_same_tokenizer(model, tokenizer) -> None:
+    vocab = model.config.vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(f"data.teacher: the teacher's vocabulary ({vocab}) is smaller than the run's tokenizer "
+                         f"({len(tokenizer)}); a teacher must share the student's tokenizer")
+
+
+def _shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}.safetensors"
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    path = folder / "generation.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    tmp = folder / f".generation.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, folder / "generation.json")
+
+
+def _machine(device: torch.device) -> str:
+    from ..machine import machine_info
+
+    return machine_info(device)["name"]
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc=desc, unit="tok", unit_scale=True)
