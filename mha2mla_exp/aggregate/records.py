@@ -33,8 +33,8 @@ PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Ll
 
 # A table row is a (configuration, budget, evaluation sample) triple: runs that agree on all of these and
 # differ only in their seed are one row (mean and spread over seeds); anything else is a row of its own.
-CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "options", "distill_token_passes",
-               "kv_quant", "kv_grouping", "data", "objective", "trainable", "lr")
+CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "kv_elements", "rope_dims", "options",
+               "distill_token_passes", "kv_quant", "kv_grouping", "data", "train_data", "objective", "trainable", "lr")
 BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
@@ -247,6 +247,9 @@ def canonical_run(record: dict) -> dict:
         "r": None if full_model else _as_int(_get(record, "mla.r")),
         "svd": "none" if full_model else svd,
         "d_kv": None if full_model else _as_int(_get(record, "mla.d_kv")),
+        # a KV budget split per layer (mla/budget.py) instead of r / d_kv
+        "kv_elements": None if full_model else _as_int(_get(record, "mla.kv_elements")),
+        "rope_dims": None if full_model else rope_dims_label(record),
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
@@ -268,6 +271,9 @@ def canonical_run(record: dict) -> dict:
         "samples_file": str(samples) if samples is not None and samples.is_file() else None,
         # compute spent and the cheap always-on score, for the recovery view
         "heldout_ppl": _get(record, "eval.perplexity.heldout"),
+        # a fine-tune on other text than the run's corpus (train.data), and its own held-out perplexity
+        "train_data": _get(record, "train_data.name"),
+        "train_data_heldout_ppl": _get(record, f"eval.perplexity.heldout:{_get(record, 'train_data.name')}"),
         "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),       # per held-out row (perplexity_pairs)
         "heldout_row_tokens": _get(record, "eval.perplexity.row_tokens"),
         "distill_token_passes": _as_int(_get(record, "distill.token_passes")),
@@ -328,6 +334,17 @@ def recipe_label(row) -> str | None:
     return ", ".join(parts) or None
 
 
+def rope_dims_label(record: dict) -> str | None:
+    """The rope key dims the layers of a KV-budget conversion kept: "32" when all agree, else "min-max (mean)"."""
+    split = _get(record, "conversion.budget_split")
+    if not isinstance(split, list) or not split:
+        return None
+    dims = [2 * int(layer["rope_pairs"]) for layer in split]
+    if len(set(dims)) == 1:
+        return str(dims[0])
+    return f"{min(dims)}-{max(dims)} (mean {sum(dims) / len(dims):.1f})"
+
+
 def recovery_recipe(row) -> str:
     """How a converted model was recovered: "conversion only", "ILD" (layer-wise distillation), or the
     fine-tune's objective ("ce", "kd", ...), after "ILD →" when both ran, with ", attention only" when the
@@ -339,6 +356,7 @@ def recovery_recipe(row) -> str:
     objective = row.get("objective")
     text = ("ILD → " if distilled else "") + (objective if isinstance(objective, str) else "fine-tune")
     text += ", attention only" if row.get("trainable") == "attention" else ""
+    text += f" on {row['train_data']}" if isinstance(row.get("train_data"), str) else ""
     return text + (f", {_lr_note(row.get('lr'))}" if _lr_note(row.get("lr")) else "")
 
 

@@ -19,15 +19,30 @@ from .comparisons import _ALL
 from .records import recovery_recipe
 from .tables import delta, rows_of_ours
 
-RECOVERY_EXPERIMENTS = ("recovery_study",)
-REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD
+RECOVERY_EXPERIMENTS = ("recovery_study", "teacher_recovery")
+REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
+                   # on the run's own corpus; per conversion where an experiment has several
 
 
 ORIGINAL = "original (unconverted)"   # a reference row: the model every recipe recovers towards
 
 
 def _is_reference(run: dict) -> bool:
-    return run.get("objective") == "ce" and run.get("trainable") == "all" and pd.isna(run.get("distill_token_passes"))
+    return (run.get("objective") == "ce" and run.get("trainable") == "all" and pd.isna(run.get("distill_token_passes"))
+            and not isinstance(run.get("train_data"), str))
+
+
+def conversion_label(run: dict) -> str:
+    """The conversion a recipe starts from, e.g. "rorope r=4, joint d_kv=16, score=rotation, init=bkv"."""
+    if run.get("method") == "original":
+        return ""
+    options = run.get("options") if isinstance(run.get("options"), str) else ""
+    return ", ".join(x for x in (f"{run['rope']} r={_int(run.get('r'))}", f"{run['svd']} d_kv={_int(run.get('d_kv'))}",
+                                 options) if x)
+
+
+def _int(value) -> str:
+    return "?" if pd.isna(value) else str(int(value))
 
 
 def ppl_at(curve: pd.DataFrame, seconds: float) -> float | None:
@@ -54,25 +69,47 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     ends = [c["seconds"].max() for c in curves.values() if len(c)]
     common = float(min(ends)) if ends else None
     scored = {r.runs[0]["run_dir"]: r for r in rows_of_ours(_ALL["commonsense"], ok)}
-    reference = next((r for r in scored.values() if _is_reference(r.runs[0])), None)
+    conversions = {run["run_dir"]: conversion_label(run) for run in ok.to_dict("records")}
+    several = len({c for c in conversions.values() if c}) > 1
+    references = {conversions[d]: r for d, r in scored.items() if _is_reference(r.runs[0])}
+    original = next((r for d, r in scored.items() if r.runs[0]["method"] == "original"), None)
+    trains_elsewhere = ok["train_data"].notna().any() if "train_data" in ok else False
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
     for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
         row = scored.get(run["run_dir"])
+        # the original is paired against the one reference recipe, when there is one conversion
+        reference = references.get(conversions[run["run_dir"]]) if conversions[run["run_dir"]] or several \
+            else next(iter(references.values()), None)
         interval = row.intervals.get("avg") if row else None
         diff = delta(row, reference).get("avg") if row and reference and row is not reference else None
-        records.append({
+        record = {"conversion": conversions[run["run_dir"]]} if several else {}
+        record |= {
             "recipe": run["recipe"], "precision": run["precision"], "tokens": run["train_tokens"],
             "ILD s": run["distill_s"], "fine-tune s": run["train_s"], "tok/s": run["train_tokens_per_s"],
             at_common: ppl_at(curves[run["run_dir"]], common) if common else None,
-            "final ppl": run["heldout_ppl"], "Avg": row.scores.get("avg") if row else None,
+            "final ppl": run["heldout_ppl"],
+        }
+        if trains_elsewhere:  # the held-out text of the corpus the recipes trained on (the teacher's)
+            record["ppl on its recovery text"] = run.get("train_data_heldout_ppl")
+        record |= {
+            "Avg": row.scores.get("avg") if row else None,
             "Avg 95% CI": f"[{interval.low:.1f}, {interval.high:.1f}]" if interval else "",
-            f"Δ Avg vs {REFERENCE} [95% CI]": f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]"
-            + ("" if diff.resolved else " not resolved") if diff else "",
-        })
+            f"Δ Avg vs {REFERENCE} [95% CI]": _interval_text(diff),
+        }
+        if original is not None:
+            to_original = delta(row, original).get("avg") if row and row is not original else None
+            record["Δ Avg vs original [95% CI]"] = _interval_text(to_original)
+        records.append(record)
     table = pd.DataFrame.from_records(records)
     converted = table[table["recipe"] != ORIGINAL]
     if converted[at_common].notna().any():
         best = converted[at_common].astype(float).idxmin()
         table["choice"] = ["best per second" if i == best else "" for i in table.index]
     return table
+
+
+def _interval_text(diff) -> str:
+    if diff is None:
+        return ""
+    return f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]" + ("" if diff.resolved else " not resolved")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot",)
+ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot", "budget_zero_shot")
 
 
 def zero_shot_table(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
@@ -20,12 +20,17 @@ def zero_shot_table(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
         return pd.DataFrame()
     original = rows.loc[rows["method"] == "original", "heldout_ppl"]
     reference = float(original.iloc[0]) if len(original) else None
-    rows["svd_label"] = [("no SVD" if m == "partial_rope" else f"{s} d_kv={int(d)}") if m != "original" else "—"
-                         for m, s, d in zip(rows["method"], rows["svd"], rows["d_kv"].fillna(0))]
+    budget = rows["kv_elements"].notna() if "kv_elements" in rows else pd.Series(False, index=rows.index)
+    rows["svd_label"] = [
+        "—" if m == "original" else "no SVD" if m == "partial_rope"
+        else f"{s}, {int(kv)} per token: latent = {int(kv)} − rope dims" if b else f"{s} d_kv={int(d)}"
+        for m, s, d, kv, b in zip(rows["method"], rows["svd"], rows["d_kv"].fillna(0),
+                                  rows.get("kv_elements", pd.Series(0, index=rows.index)).fillna(0), budget)]
     table = pd.DataFrame({
         "KV memory": rows["kv_mem_change_pct"].map(lambda x: f"{x:+.2f} %"),
-        "RoPE": [("original" if m == "original" else f"{rope} r={int(r)}")
-                 for m, rope, r in zip(rows["method"], rows["rope"], rows["r"].fillna(0))],
+        "RoPE": [("original" if m == "original" else f"{rope}, rope dims {dims}" if b else f"{rope} r={int(r)}")
+                 for m, rope, r, dims, b in zip(rows["method"], rows["rope"], rows["r"].fillna(0),
+                                                rows.get("rope_dims", pd.Series("", index=rows.index)), budget)],
         "SVD": rows["svd_label"],
         "options": rows["options"].fillna(""),
         "held-out ppl": rows["heldout_ppl"].round(1),

@@ -14,7 +14,8 @@ class MLAConfig(LlamaConfig):
     `rope_layout` is 'per_head' (each KV head keeps its own pairs, MHA2MLA) or 'shared' (one rope key read by
     every query head, RoRoPE; see mla/layouts.py); `rope_pairs[layer][rope_key_head]` the kept frequency
     pairs of each rope key head (n_kv heads of r pairs, or one head of n_kv*r). `latent_dims[layer]` is the
-    latent width of each layer when it varies (allocation='global'; None: n_kv*d_kv everywhere).
+    latent width of each layer when it varies (allocation='global', a searched KV budget; None: n_kv*d_kv
+    everywhere).
     `q_bias`/`kv_bias`/`o_bias` say which attention projections carry a bias (Qwen2 has q/k/v biases, Llama
     none). `absorb` switches decoding to read the latent directly (W_uk folded into the query).
     """
@@ -31,10 +32,6 @@ class MLAConfig(LlamaConfig):
     absorb: bool = False
 
     @property
-    def rope_r(self) -> int:
-        return int(self.mla["r"])
-
-    @property
     def d_kv(self) -> int | None:
         return self.mla.get("d_kv")
 
@@ -46,7 +43,8 @@ class MLAConfig(LlamaConfig):
         """What the conversion decided beyond its spec: the RoPE layout, per-layer latent widths (None: all
         n_kv*d_kv) and, for inits that measure candidates, which one each layer kept."""
         return {"rope_layout": self.rope_layout, "latent_dims": self.latent_dims,
-                "init_choices": (self.mla or {}).get("init_choices")}
+                "init_choices": (self.mla or {}).get("init_choices"),
+                "budget_split": (self.mla or {}).get("budget_split")}
 
 
 MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from .budget import split_budget
 from .calibration import Calibration
 from .configuration import MLAConfig
 from .layouts import KeySplit
@@ -65,6 +66,8 @@ def convert_to_mla(
     sigma: str = "up",
     init: str = "weight",
     allocation: str = "uniform",
+    kv_elements: int | None = None,
+    rope_pairs: int | None = None,
     calibration: Iterable | None = None,
 ) -> MLAForCausalLM:
     """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md and docs/ARCHITECTURE.md.
@@ -73,31 +76,40 @@ def convert_to_mla(
     `r` frequency pairs per KV head. svd: joint | split | none, with latent width `d_kv` per KV head;
     `init` a registered low-rank init (weight = the paper's plain SVD | activation | bkv | output);
     `allocation`: 'uniform' (n_kv*d_kv per layer) or 'global' (the same total, spread over the layers by the
-    init's objective). `calibration` is an iterable of input_ids batches, required by the strategies and
+    init's objective). `kv_elements` (rope='rorope', svd='joint', no d_kv): a budget of cached elements per
+    token and layer, split per layer between rope pairs and latent by measurement, or with `rope_pairs`
+    fixed (mla/budget.py). `calibration` is an iterable of input_ids batches, required by the strategies and
     inits that read statistics. The original model is left untouched: the converted one owns copies of
     every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
     spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init,
-                          allocation=allocation)
+                          allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs)
     if spec.needs_calibration and calibration is None:
         raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
                          "(an iterable of input_ids batches)")
     calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
     calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
-    selections = ROPE_STRATEGIES.get(spec.rope).select(shape, spec.r, spec.score, calib)
     layers = [layer.self_attn for layer in model.model.layers]
+    budget = split_budget(model, spec, calib) if spec.kv_elements is not None else None
+    if budget is not None:
+        selections, latents = [b.selection for b in budget], [b.latent for b in budget]
+    else:
+        selections = ROPE_STRATEGIES.get(spec.rope).select(shape, spec.r, spec.score, calib)
     splits = [sel.split(attn, shape) for sel, attn in zip(selections, layers)]
-    latents = None
-    if spec.svd != "none":
-        problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
-                    for i, (split, attn) in enumerate(zip(splits, layers))]
-        latents = low_rank_latents(model, problems, spec, calib)
+    if budget is None:
+        latents = None
+        if spec.svd != "none":
+            problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
+                        for i, (split, attn) in enumerate(zip(splits, layers))]
+            latents = low_rank_latents(model, problems, spec, calib)
     config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
     if latents and any(x.choice for x in latents):
         config.mla["init_choices"] = [x.choice for x in latents]
+    if budget is not None:
+        config.mla["budget_split"] = [b.report() for b in budget]
     state = {
         name: tensor.detach().clone()
         for name, tensor in model.state_dict().items()
@@ -124,6 +136,7 @@ def convert_to_mla(
 
 def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int] | None = None) -> MLAConfig:
     src = model.config
+    shape = ModelShape.from_config(src)
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
     attn = model.model.layers[0].self_attn
     mla_meta = spec.to_dict() | {
@@ -136,7 +149,7 @@ def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], wi
         mla=mla_meta,
         rope_pairs=[split.pairs for split in splits],
         rope_layout=splits[0].layout,
-        latent_dims=widths if widths and len(set(widths)) > 1 else None,
+        latent_dims=widths if widths and set(widths) != {shape.num_kv_heads * (spec.d_kv or 0)} else None,
         q_bias=attn.q_proj.bias is not None,
         kv_bias=attn.k_proj.bias is not None,
         o_bias=attn.o_proj.bias is not None,
@@ -177,7 +190,7 @@ def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASp
     latents = []
     for p, width in zip(problems, widths):
         options = init.weightings(p, calib)
-        candidates = [_latent(p, w, width, spec) for w in options]
+        candidates = [latent_for(p, w, width, spec) for w in options]
         if len(candidates) > 1:
             meter = meter or LayerMeter(model, spec, [q.split for q in problems], widths, calib)
             errors = [meter.error(p.layer, c) for c in candidates]
@@ -193,7 +206,7 @@ def _joint_svd(p: LayerProblem, w: Weighting):
     return weighted_svd(torch.cat([p.split.nope_weight, p.v_weight]), left, w.inputs)
 
 
-def _latent(p: LayerProblem, w: Weighting, width: int, spec: MLASpec) -> Latent:
+def latent_for(p: LayerProblem, w: Weighting, width: int, spec: MLASpec) -> Latent:
     """One layer's truncation to a latent of `width` under weighting `w` (joint, or split in halves)."""
     if spec.svd == "split":
         k_down, k_up = low_rank_factors(p.split.nope_weight, width // 2, spec.sigma, w.inputs, w.k)

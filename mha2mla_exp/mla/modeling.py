@@ -57,14 +57,13 @@ class MLAAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
-        r = config.rope_r
         pairs = config.rope_pairs[layer_idx]
         self.shared_rope = config.rope_layout == "shared"
         self.rope_heads = len(pairs)  # KV heads ('per_head') or 1 ('shared')
         self.rope_groups = n_h // self.rope_heads
         self.rope_dim = 2 * len(pairs[0])  # per rope key head
-        nope_rank = n_kv * (d_h - 2 * r)  # the NoPE keys' rank, in either layout
-        self.nope_dim = (d_h if nope_rank else 0) if self.shared_rope else d_h - 2 * r  # per head
+        nope_rank = n_kv * d_h - self.rope_heads * self.rope_dim  # the NoPE keys' rank, in either layout
+        self.nope_dim = (d_h if nope_rank else 0) if self.shared_rope else d_h - self.rope_dim  # per head
         self.register_buffer("rope_index", self._rope_index(), persistent=False)
 
         d = config.hidden_size

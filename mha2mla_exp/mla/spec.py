@@ -46,13 +46,15 @@ class MLASpec:
     """A validated conversion recipe (see METHOD.md). Build it with `MLASpec.create`."""
 
     rope: str
-    r: int
+    r: int | None                   # None under a KV budget (kv_elements): the pairs per layer are its split
     svd: str
     d_kv: int | None
     score: str = "product"
     sigma: str = "up"
     init: str = "weight"
     allocation: str = "uniform"
+    kv_elements: int | None = None  # a KV budget per token and layer (rope dims + latent) instead of r / d_kv
+    rope_pairs: int | None = None   # with kv_elements: rotated pairs every layer keeps; None = searched per layer
 
     @classmethod
     def create(
@@ -67,6 +69,8 @@ class MLASpec:
         sigma: str = "up",
         init: str = "weight",
         allocation: str = "uniform",
+        kv_elements: int | None = None,
+        rope_pairs: int | None = None,
     ) -> "MLASpec":
         """Check every field against `shape`; raise ValueError naming the field on bad input."""
         strategy = ROPE_STRATEGIES.get(rope)
@@ -82,6 +86,10 @@ class MLASpec:
             raise ValueError(f"head_dim={shape.head_dim} is odd; RoPE needs an even head dimension")
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"num_heads={shape.num_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
+        if kv_elements is not None or rope_pairs is not None:  # r has no meaning: the budget's split decides
+            _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs)
+            return cls(rope=rope, r=None, svd=svd, d_kv=None, score=score, sigma=sigma, init=init,
+                       allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs)
         r = strategy.resolve_r(r, shape.head_dim)
 
         if svd == "none":
@@ -113,7 +121,8 @@ class MLASpec:
     def statistics(self) -> tuple[str, ...]:
         """The calibration statistics this conversion reads (empty: it needs no calibration data)."""
         init = LOWRANK_INITS.get(self.init).statistics if self.svd != "none" else ()
-        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init))
+        budget = ("attention_inputs",) if self.kv_elements is not None else ()  # the split is measured on them
+        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init + budget))
 
     @property
     def needs_calibration(self) -> bool:
@@ -127,11 +136,17 @@ class MLASpec:
         return fields
 
     def name_parts(self) -> tuple[str, str]:
-        """The run-name parts of this conversion: RoPE (e.g. '2-norm-r4') and low rank ('joint-dkv16-act')."""
-        rope = ROPE_STRATEGIES.get(self.rope).label(self.r, self.score)
+        """The run-name parts of this conversion: RoPE (e.g. '2-norm-r4') and low rank ('joint-dkv16-act';
+        under a KV budget 'joint-kv72-search-bkv' or 'joint-kv72-p16-bkv')."""
+        strategy = ROPE_STRATEGIES.get(self.rope)
+        if self.kv_elements is not None:
+            rope = strategy.name + ("" if self.score == strategy.scores[0] else f"-{self.score}")
+            width = f"{self.svd}-kv{self.kv_elements}-" + ("search" if self.rope_pairs is None else f"p{self.rope_pairs}")
+        else:
+            rope, width = strategy.label(self.r, self.score), f"{self.svd}-dkv{self.d_kv}"
         if self.svd == "none":
             return rope, "nosvd"
-        options = [f"{self.svd}-dkv{self.d_kv}", "sqrt" if self.sigma == "sqrt" else "",
+        options = [width, "sqrt" if self.sigma == "sqrt" else "",
                    LOWRANK_INITS.get(self.init).label, "" if self.allocation == "uniform" else self.allocation]
         return rope, "-".join(o for o in options if o)
 
@@ -160,7 +175,9 @@ def max_d_kv(shape: ModelShape, r: int, svd: str) -> int:
 
 
 def kv_elements_per_token(shape: ModelShape, spec: MLASpec) -> int:
-    """Cached elements per token and layer: k_rope (n_kv*2r) plus the latent (n_kv*d_kv)."""
+    """Cached elements per token and layer: k_rope (n_kv*2r) plus the latent (n_kv*d_kv), or the budget."""
+    if spec.kv_elements is not None:
+        return spec.kv_elements
     n_kv, d_h = shape.num_kv_heads, shape.head_dim
     latent = n_kv * spec.d_kv if spec.svd != "none" else n_kv * (2 * d_h - 2 * spec.r)
     return n_kv * 2 * spec.r + latent
@@ -169,6 +186,37 @@ def kv_elements_per_token(shape: ModelShape, spec: MLASpec) -> int:
 def kv_ratio(shape: ModelShape, spec: MLASpec) -> float:
     """Cache size relative to the original MHA/GQA cache (2*n_kv*d_h per token and layer)."""
     return kv_elements_per_token(shape, spec) / (2 * shape.num_kv_heads * shape.head_dim)
+
+
+def budget_pair_range(shape: ModelShape, kv_elements: int) -> range:
+    """The rotated-pair counts K a layer may keep under `kv_elements` per token: at least one pair, a latent
+    of at least one dim (kv_elements - 2K), and no wider than the rank of [NoPE keys; values] or the input."""
+    n_kv, d_h, d = shape.num_kv_heads, shape.head_dim, shape.hidden_size
+    pairs = [k for k in range(1, n_kv * d_h // 2 + 1)
+             if 1 <= kv_elements - 2 * k <= min(2 * n_kv * d_h - 2 * k, d)]
+    return range(pairs[0], pairs[-1] + 1) if pairs else range(0)
+
+
+def _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs) -> None:
+    if kv_elements is None:
+        raise ValueError(f"rope_pairs={rope_pairs} needs kv_elements: the pairs are a share of a KV budget")
+    if isinstance(kv_elements, bool) or not isinstance(kv_elements, int) or kv_elements < 3:
+        raise ValueError(f"kv_elements must be an integer >= 3 (a rope pair and a latent dim), got {kv_elements!r}")
+    if not strategy.any_pair_count:
+        raise ValueError(f"kv_elements: rope={strategy.name!r} keeps r pairs per KV head; a budget split into any "
+                         "number of rope pairs needs a strategy with one shared rope key (rope='rorope')")
+    if svd != "joint":
+        raise ValueError(f"kv_elements needs svd='joint' (one latent beside the rope key), got svd={svd!r}")
+    if d_kv is not None:
+        raise ValueError(f"d_kv={d_kv} and kv_elements={kv_elements} both size the latent; give one")
+    if allocation != "uniform":
+        raise ValueError("allocation: a KV budget is the same in every layer (allocation='uniform')")
+    allowed = budget_pair_range(shape, kv_elements)
+    if not allowed:
+        raise ValueError(f"kv_elements={kv_elements} leaves no split into rope pairs and a latent for this model")
+    if rope_pairs is not None and (isinstance(rope_pairs, bool) or rope_pairs not in allowed):
+        raise ValueError(f"rope_pairs={rope_pairs!r}: under kv_elements={kv_elements} a layer keeps "
+                         f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched per layer)")
 
 
 def _check_choice(name: str, value, choices) -> None:

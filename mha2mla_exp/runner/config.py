@@ -95,7 +95,7 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     spec = None
     if saved_mla:  # its spec as the conversion recorded it
-        kwargs = ("rope", "r", "svd", "d_kv", "score", "sigma", "init", "allocation")
+        kwargs = ("rope", "r", "svd", "d_kv", "score", "sigma", "init", "allocation", "kv_elements", "rope_pairs")
         spec = MLASpec.create(shape, **{k: saved.mla[k] for k in kwargs if k in saved.mla})
     elif cfg.variant == "mla":
         r = cfg.rope.r if cfg.rope.r is not None else default_r(cfg.rope.strategy, shape.head_dim)
@@ -104,6 +104,7 @@ def validate(cfg: DictConfig) -> RunPlan:
                 shape, rope=cfg.rope.strategy, r=r, svd=cfg.svd.method, d_kv=cfg.svd.d_kv,
                 score=cfg.rope.score, sigma=cfg.svd.sigma, init=cfg.svd.get("init", "weight"),
                 allocation=cfg.svd.get("allocation", "uniform"),
+                kv_elements=cfg.svd.get("kv_elements"), rope_pairs=cfg.svd.get("rope_pairs"),
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -253,7 +254,8 @@ def _check_eval(eval_cfg: DictConfig) -> None:
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
-                "init": "svd.init", "allocation": "svd.allocation",
+                "init": "svd.init", "allocation": "svd.allocation", "kv_elements": "svd.kv_elements",
+                "rope_pairs": "svd.rope_pairs",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
 
 

@@ -30,6 +30,9 @@ class RopeStrategy:
     name: ClassVar[str] = ""
     statistics: ClassVar[tuple[str, ...]] = ()       # what `select` reads from the calibration
     scores: ClassVar[tuple[str, ...]] = ("product",)  # the `score` values it understands (default first)
+    # True: it ranks pairs for one rope key shared by the heads (`ranked`), so a layer can keep any number of
+    # them, as a KV budget split between rope dims and latent asks (mla/budget.py)
+    any_pair_count: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

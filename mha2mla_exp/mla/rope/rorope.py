@@ -64,17 +64,23 @@ class RoRoPE(PairScored):
 
     name = "rorope"
     statistics = ("pair_norms", "key_pair_moments")
+    any_pair_count = True  # one shared rope key: a layer may keep any number of rotated pairs, not n_kv*r
 
     def select(self, shape, r, score, calibration):
+        return [RotatedPairs(u, order[: shape.num_kv_heads * r]) for u, order in self.ranked(shape, score, calibration)]
+
+    def ranked(self, shape, score, calibration) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """Per layer, the rotation U and every rotated (component, frequency) pair by decreasing score: keeping
+        the first K is this strategy's choice for K pairs (`RotatedPairs(U, order[:K])`)."""
         q_norms, _ = calibration.get("pair_norms")
         distance = self.distances(shape, score, calibration)
         rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
         (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
         n_kv = shape.num_kv_heads
-        selections = []
+        ranked = []
         for i, u in enumerate(rotations):
             scores = rotated_pair_scores(q_norms[i], k_norms[i], u, score, distance[i])  # [c, f]
             flat = scores.T.reshape(-1)  # frequency-major: ties go to the higher frequency, then component
-            order = torch.sort(flat.double(), descending=True, stable=True).indices[: n_kv * r].tolist()
-            selections.append(RotatedPairs(u, [(j % n_kv, j // n_kv) for j in order]))
-        return selections
+            order = torch.sort(flat.double(), descending=True, stable=True).indices.tolist()
+            ranked.append((u, [(j % n_kv, j // n_kv) for j in order]))
+        return ranked

@@ -1,0 +1,104 @@
+"""A KV budget split per layer between the shared rope key and the latent (mla/budget.py): exact at full
+budget, never above the budget in measured cache bytes, absorbed decode equal to expanded, and a search that
+finds what it is built to find."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_causal_lm
+from mha2mla_exp.mla import MLASpec, ModelShape, convert_to_mla
+from mha2mla_exp.mla.cache import LatentCache
+from mha2mla_exp.mla.spec import budget_pair_range, kv_elements_per_token
+
+FULL = 2 * 2 * 16  # tiny GQA: 2 KV heads x head_dim 16, keys and values
+
+
+def calib(tokens):
+    return [tokens.flip(1), tokens]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope_pairs", [None, 16])
+def test_full_budget_reproduces_the_original(tokens, rope_pairs):
+    """At 2*n_kv*d_h elements only one split is lossless: every pair keeps RoPE (32 dims) beside a latent of
+    the values' full rank (32); the search must find it, as any dropped pair loses position."""
+    model = tiny_causal_lm("gqa")
+    mla = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=rope_pairs,
+                         calibration=calib(tokens))
+    assert (mla(tokens).logits - model(tokens).logits).abs().max() < 1e-4
+    split = mla.config.mla["budget_split"]
+    assert all(2 * s["rope_pairs"] + s["latent"] == FULL for s in split)
+    assert all(s["relative_error"] < 1e-8 for s in split)
+    assert {s["rope_pairs"] for s in split} == {16}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["gqa", "mha", "qwen2"])
+def test_measured_cache_bytes_are_the_budget_and_absorbed_decode_equals_expanded(kind, tokens, tmp_path):
+    model = tiny_causal_lm(kind)
+    budget = 20
+    mla = convert_to_mla(model, rope="rorope", svd="joint", init="output", score="rotation", kv_elements=budget,
+                         calibration=calib(tokens))
+    shape = ModelShape.from_config(model.config)
+    spec = MLASpec.create(shape, rope="rorope", r=1, svd="joint", kv_elements=budget)
+    assert kv_elements_per_token(shape, spec) == budget
+    cache = LatentCache()
+    expanded = mla(tokens, cache=cache, use_cache=True).logits
+    assert cache.nbytes() == model.config.num_hidden_layers * tokens.numel() * budget * 4  # fp32: exactly B per token
+    pairs = [s["rope_pairs"] for s in mla.config.mla["budget_split"]]
+    assert [len(p[0]) for p in mla.config.rope_pairs] == pairs
+    assert mla.config.latent_dims == [budget - 2 * k for k in pairs]
+
+    mla.set_absorb(True)
+    assert (mla(tokens).logits - expanded).abs().max() < 1e-4
+    prompt = tokens[:, :8]
+    absorbed = mla.generate(prompt, max_new_tokens=6, do_sample=False)
+    mla.set_absorb(False)
+    assert torch.equal(absorbed, mla.generate(prompt, max_new_tokens=6, do_sample=False))
+
+    mla.save_pretrained(tmp_path)  # a folder that carries its split
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (loaded(tokens).logits - expanded).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_the_search_is_never_worse_than_a_fixed_split_on_what_it_measures(tokens):
+    model = tiny_causal_lm("gqa")
+    budget = 24
+    searched = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget,
+                              calibration=calib(tokens)).config.mla["budget_split"]
+    start = budget_pair_range(ModelShape.from_config(model.config), budget).start
+    assert len({s["rope_pairs"] for s in searched}) >= 1
+    for k in (1, 3, 7, 11):  # on the coarse grid (every other count from the first): each layer tried them
+        assert (k - start) % 2 == 0
+        fixed = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, rope_pairs=k,
+                               calibration=calib(tokens)).config.mla["budget_split"]
+        for s, f in zip(searched, fixed):
+            assert s["relative_error"] <= f["relative_error"] + 1e-12
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rope": "2-norm", "svd": "joint", "kv_elements": 72}, "needs a strategy with one shared rope key"),
+    ({"rope": "rorope", "svd": "split", "kv_elements": 72}, "needs svd='joint'"),
+    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "d_kv": 16}, "both size the latent"),
+    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "rope_pairs": 36}, "keeps 1..35 rotated pairs"),
+    ({"rope": "rorope", "svd": "joint", "rope_pairs": 8}, "needs kv_elements"),
+    ({"rope": "rorope", "svd": "joint", "kv_elements": 2}, "kv_elements must be an integer >= 3"),
+])
+def test_a_budget_that_cannot_be_met_is_refused_before_any_weight(kwargs, message):
+    shape = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
+    with pytest.raises(ValueError, match=message):
+        MLASpec.create(shape, r=4, **kwargs)
+
+
+def test_budget_range_and_name():
+    shape = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
+    assert budget_pair_range(shape, 72) == range(1, 36)
+    assert budget_pair_range(shape, 120) == range(1, 60)
+    spec = MLASpec.create(shape, rope="rorope", r=4, svd="joint", init="bkv", score="rotation", kv_elements=72)
+    assert spec.name_parts() == ("rorope-rotation", "joint-kv72-search-bkv")
+    fixed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", kv_elements=72, rope_pairs=16)
+    assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and "attention_inputs" in fixed.statistics
