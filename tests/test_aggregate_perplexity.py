@@ -87,6 +87,35 @@ def _probes(points):
     return [{"step": i, "tokens": 2048 * i, "elapsed_s": t, "heldout_ppl_probe": p} for i, (t, p) in enumerate(points)]
 
 
+def test_recovery_table_keeps_conversions_and_recovery_corpora_apart(tmp_path):
+    """teacher_recovery: two conversions x recipes on two corpora; each recipe is paired against ce on the run's
+    corpus for its own conversion, the teacher-trained ones say so and show the teacher's held-out ppl."""
+    runs = tmp_path / "runs"
+    train = {"tokens": 8192, "seconds": 100.0, "objective": "ce", "precision": {"mode": "bf16-autocast"}}
+    cfg = {"train": {"lr": 3e-4, "freeze_non_attention": False}}
+    for rope, offset in (("2-norm", 0.0), ("rorope", 0.05)):
+        _recovery_run(runs, f"{rope}_ce", ppl=150.0, avg=0.30 + offset, train=train, distill=None,
+                      experiment="teacher_recovery", probes=_probes([(0, 200.0), (100, 150.0)]), config=cfg)
+        _recovery_run(runs, f"{rope}_kd", ppl=140.0, avg=0.32 + offset, train=train | {"objective": "kd"},
+                      distill=None, experiment="teacher_recovery", probes=_probes([(0, 200.0), (100, 140.0)]),
+                      config=cfg)
+        for name in (f"{rope}_ce", f"{rope}_kd"):
+            record = json.loads((runs / name / "results.json").read_text())
+            record["mla"]["rope"] = rope
+            if name.endswith("kd"):
+                record["train_data"] = {"name": "teacher-samples"}
+                record["eval"]["perplexity"]["heldout:teacher-samples"] = 9.5
+            (runs / name / "results.json").write_text(json.dumps(record))
+    aggregate = build_aggregate([runs])
+    table = recovery_table(aggregate.runs, aggregate.probes, "teacher_recovery")
+    assert set(table["conversion"].str.split(" ").str[0]) == {"2-norm", "rorope"}
+    kd = table[table["recipe"] == "kd on teacher-samples, lr 3e-4"]
+    assert len(kd) == 2 and (kd["ppl on its recovery text"] == 9.5).all()
+    for _, row in kd.iterrows():   # +2 points over ce of the same conversion, not of the other one
+        assert row["Δ Avg vs ce [95% CI]"].startswith("+2.0")
+    assert table[table["recipe"] == "ce, lr 3e-4"]["ppl on its recovery text"].isna().all()
+
+
 def test_recovery_study_table_compares_recipes_at_equal_seconds(tmp_path):
     runs = tmp_path / "runs"
     train = {"tokens": 8192, "seconds": 100.0, "objective": "ce", "precision": {"mode": "bf16-autocast"}}
