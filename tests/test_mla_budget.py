@@ -102,3 +102,19 @@ def test_budget_range_and_name():
     assert spec.name_parts() == ("rorope-rotation", "joint-kv72-search-bkv")
     fixed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", kv_elements=72, rope_pairs=16)
     assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and "attention_inputs" in fixed.statistics
+
+
+def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp_path):
+    from tests.test_runner import smoke_cfg
+
+    from mha2mla_exp.runner import run
+
+    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "rope.strategy=rorope", "rope.score=rotation", "svd=budget",
+                    "svd.kv_elements=20", "svd.d_kv=null", "train.tokens=256")
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    assert record["mla"]["kv_elements"] == 20 and record["mla"]["r"] is None
+    assert record["kv"]["ratio_measured"] == pytest.approx(record["kv"]["ratio_nominal"]) == pytest.approx(20 / FULL)
+    split = record["conversion"]["budget_split"]
+    assert [2 * s["rope_pairs"] + s["latent"] for s in split] == [20, 20]
+    assert "joint-kv20-search-bkv" in record["run_name"]

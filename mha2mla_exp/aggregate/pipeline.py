@@ -16,7 +16,7 @@ from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
 from .recovery_study import RECOVERY_EXPERIMENTS, recovery_table
-from .zero_shot import ZERO_SHOT_EXPERIMENTS, zero_shot_table
+from .zero_shot import ZERO_SHOT_EXPERIMENTS, budget_comparison, reference_conversions, zero_shot_table
 
 
 def results_root() -> Path:
@@ -134,6 +134,15 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "Held-out perplexity on the same held-out rows for every conversion, one seed "
                                    "(deterministic given the calibration rows); × original: its multiple of the "
                                    "original model's perplexity.")
+    comparison = budget_comparison(aggregate.runs, reference_conversions(results_root() / "transmla"))
+    if len(comparison):
+        written += write_table(comparison, tables, "budget_vs_transmla",
+                               "Zero-shot held-out perplexity at equal cached elements per token and layer: ours "
+                               "and TransMLA's own converter",
+                               "The same SmolLM2-135M, the same 32 x 256 calibration rows and the same 32 x 512 "
+                               "held-out rows (original 31.1); TransMLA run by scripts/transmla_reference.py "
+                               "(results/transmla/README.md); one number each, deterministic given the "
+                               "calibration rows.")
     for name, experiments in PERPLEXITY_PAIRS.items():
         pairs = perplexity_pairs(aggregate.runs, experiments)
         if len(pairs):

@@ -250,6 +250,8 @@ def canonical_run(record: dict) -> dict:
         # a KV budget split per layer (mla/budget.py) instead of r / d_kv
         "kv_elements": None if full_model else _as_int(_get(record, "mla.kv_elements")),
         "rope_dims": None if full_model else rope_dims_label(record),
+        "kv_split": None if full_model or _get(record, "mla.kv_elements") is None
+        else "fixed" if _get(record, "mla.rope_pairs") is not None else "searched per layer",
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),

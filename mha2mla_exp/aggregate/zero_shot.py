@@ -8,6 +8,9 @@ perplexity is one number over a fixed set of held-out tokens.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pandas as pd
 
 ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot", "budget_zero_shot")
@@ -42,3 +45,49 @@ def zero_shot_table(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     order = ["_kv", "_converted", "_r", "SVD", "held-out ppl"]
     return table.sort_values(order, ascending=[False, True, True, True, True]) \
         .drop(columns=["_kv", "_converted", "_r"]).reset_index(drop=True)
+
+
+def reference_conversions(folder: Path) -> pd.DataFrame:
+    """Another project's converter measured on our rows: TransMLA's (scripts/transmla_reference.py writes one
+    JSON per split into results/transmla/). Empty when the folder holds none."""
+    records = []
+    for path in sorted(Path(folder).glob("*.json")) if Path(folder).is_dir() else []:
+        r = json.loads(path.read_text())
+        if r.get("status") != "ok":
+            continue
+        options = r.get("options", {})
+        records.append({"KV elements": int(r["total"]), "converter": "TransMLA (its own code)",
+                        "rope dims": str(r["qk_mqa_dim"]), "latent": str(r["kv_lora_rank"]),
+                        "held-out ppl": r["heldout_ppl"], "_original_cache": int(r["original_cache"]),
+                        "options": f"freqfold {options.get('freqfold_chosen', options.get('freqfold'))}, "
+                                   f"commit {r['transmla']['commit'][:8]}"})
+    return pd.DataFrame.from_records(records)
+
+
+def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+    """Ours against the reference converter at equal cached elements per token and layer: every un-fine-tuned
+    conversion of ours with a joint latent (a fixed r/d_kv or a KV budget) at a total the reference measured.
+    Our elements per token and layer are the measured cache ratio times the original's cache."""
+    if not len(reference):
+        return pd.DataFrame()
+    full = int(reference["_original_cache"].iloc[0])
+    ok = runs[(runs["status"] == "ok") & runs["train_tokens"].fillna(0).eq(0) & (runs["method"] == "partial_rope+svd")
+              & runs["experiment"].isin(ZERO_SHOT_EXPERIMENTS)]
+    records = []
+    for run in ok.to_dict("records"):
+        elements = int(round(full * (1 + run["kv_mem_change_pct"] / 100)))
+        if elements not in set(reference["KV elements"]):
+            continue
+        if isinstance(run.get("kv_split"), str):   # a budget: the split is the layers' (or the fixed one)
+            converter, rope_dims = f"ours: {run['rope']}, split {run['kv_split']}", run["rope_dims"]
+            latent = f"{elements} − rope dims"
+        else:   # r pairs per KV head and d_kv per KV head: n_kv = elements / (2r + d_kv)
+            n_kv = elements // (2 * int(run["r"]) + int(run["d_kv"]))
+            converter, rope_dims = f"ours: {run['rope']} r={int(run['r'])}", str(2 * n_kv * int(run["r"]))
+            latent = str(n_kv * int(run["d_kv"]))
+        records.append({"KV elements": elements, "converter": converter, "rope dims": rope_dims, "latent": latent,
+                        "held-out ppl": run["heldout_ppl"], "options": run.get("options") or ""})
+    table = pd.concat([reference.drop(columns="_original_cache"), pd.DataFrame.from_records(records)],
+                      ignore_index=True)
+    table["held-out ppl"] = table["held-out ppl"].astype(float).round(1)
+    return table.sort_values(["KV elements", "held-out ppl"]).reset_index(drop=True)

@@ -123,8 +123,7 @@ def nominal_ratio(model, kv_quant: KVQuant | None, baseline_bits: int | None = N
     """
     ratio = 1.0
     if is_mla(model):
-        mla = model.config.mla
-        spec = MLASpec(rope=mla["rope"], r=int(mla["r"]), svd=mla["svd"], d_kv=mla.get("d_kv"))
+        spec = MLASpec.recorded(model.config.mla)
         ratio = kv_ratio(ModelShape.from_config(model.config), spec)
     if kv_quant is not None:
         bits = baseline_bits or 8 * torch.empty((), dtype=model.dtype).element_size()

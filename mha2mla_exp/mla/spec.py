@@ -7,7 +7,7 @@ registries (`mla/rope/`, `mla/lowrank_init/`), which also say what calibration t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from .lowrank_init import LOWRANK_INITS
 from .rope import ROPE_STRATEGIES
@@ -116,6 +116,12 @@ class MLASpec:
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
         return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init, allocation=allocation)
+
+    @classmethod
+    def recorded(cls, mla: dict) -> "MLASpec":
+        """The spec as a converted config records it (`MLAConfig.mla`, which holds more keys than the spec);
+        a folder saved before a field existed gets the field's default."""
+        return cls(**{f.name: mla[f.name] for f in fields(cls) if f.name in mla})
 
     @property
     def statistics(self) -> tuple[str, ...]:

@@ -95,8 +95,7 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     spec = None
     if saved_mla:  # its spec as the conversion recorded it
-        kwargs = ("rope", "r", "svd", "d_kv", "score", "sigma", "init", "allocation", "kv_elements", "rope_pairs")
-        spec = MLASpec.create(shape, **{k: saved.mla[k] for k in kwargs if k in saved.mla})
+        spec = MLASpec.create(shape, **MLASpec.recorded(saved.mla).to_dict())
     elif cfg.variant == "mla":
         r = cfg.rope.r if cfg.rope.r is not None else default_r(cfg.rope.strategy, shape.head_dim)
         try:
