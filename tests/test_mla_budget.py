@@ -1,6 +1,6 @@
-"""A KV budget split per layer between the shared rope key and the latent (mla/budget.py): exact at full
-budget, never above the budget in measured cache bytes, absorbed decode equal to expanded, and a search that
-finds what it is built to find."""
+"""A KV budget split between the shared rope key and the latent (mla/budget.py): exact at full budget, never
+above the budget in measured cache bytes, absorbed decode equal to expanded, and a search that finds what it is
+built to find."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_causal_lm
 from mha2mla_exp.mla import MLASpec, ModelShape, convert_to_mla
+from mha2mla_exp.mla.budget import selection_loss
 from mha2mla_exp.mla.cache import LatentCache
 from mha2mla_exp.mla.spec import budget_pair_range, kv_elements_per_token
 
@@ -27,12 +28,15 @@ def test_full_budget_reproduces_the_original(tokens, rope_pairs):
     the values' full rank (32); the search must find it, as any dropped pair loses position."""
     model = tiny_causal_lm("gqa")
     mla = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=rope_pairs,
-                         calibration=calib(tokens))
+                         calibration=calib(tokens), selection=[tokens])
     assert (mla(tokens).logits - model(tokens).logits).abs().max() < 1e-4
     split = mla.config.mla["budget_split"]
     assert all(2 * s["rope_pairs"] + s["latent"] == FULL for s in split)
-    assert all(s["relative_error"] < 1e-8 for s in split)
     assert {s["rope_pairs"] for s in split} == {16}
+    if rope_pairs is None:  # the search scored the lossless split at the original's own loss
+        search = mla.config.mla["budget_search"]
+        assert search["rope_pairs"] == 16
+        assert search["selection_loss"]["16"] == pytest.approx(selection_loss(model, [tokens]), abs=1e-5)
 
 
 @torch.no_grad()
@@ -41,7 +45,7 @@ def test_measured_cache_bytes_are_the_budget_and_absorbed_decode_equals_expanded
     model = tiny_causal_lm(kind)
     budget = 20
     mla = convert_to_mla(model, rope="rorope", svd="joint", init="output", score="rotation", kv_elements=budget,
-                         calibration=calib(tokens))
+                         calibration=calib(tokens), selection=[tokens.flip(0)])
     shape = ModelShape.from_config(model.config)
     spec = MLASpec.create(shape, rope="rorope", r=1, svd="joint", kv_elements=budget)
     assert kv_elements_per_token(shape, spec) == budget
@@ -65,19 +69,28 @@ def test_measured_cache_bytes_are_the_budget_and_absorbed_decode_equals_expanded
 
 
 @torch.no_grad()
-def test_the_search_is_never_worse_than_a_fixed_split_on_what_it_measures(tokens):
+def test_the_search_keeps_the_split_of_lowest_selection_loss_among_those_it_tried(tokens):
     model = tiny_causal_lm("gqa")
     budget = 24
+    selection = [tokens.flip(0)]
     searched = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget,
-                              calibration=calib(tokens)).config.mla["budget_split"]
-    start = budget_pair_range(ModelShape.from_config(model.config), budget).start
-    assert len({s["rope_pairs"] for s in searched}) >= 1
-    for k in (1, 3, 7, 11):  # on the coarse grid (every other count from the first): each layer tried them
-        assert (k - start) % 2 == 0
+                              calibration=calib(tokens), selection=selection)
+    search = searched.config.mla["budget_search"]
+    allowed = budget_pair_range(ModelShape.from_config(model.config), budget)
+    tried = {int(k): v for k, v in search["selection_loss"].items()}
+    assert set(allowed[::4]) <= set(tried) <= set(allowed)  # the coarse grid, then neighbours of the best
+    assert search["rope_pairs"] == min(tried, key=tried.get)
+    assert selection_loss(searched, selection) == pytest.approx(tried[search["rope_pairs"]], abs=1e-6)
+    for k in (allowed.start, search["rope_pairs"], allowed.stop - 1):  # each loss is that fixed split's
         fixed = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, rope_pairs=k,
-                               calibration=calib(tokens)).config.mla["budget_split"]
-        for s, f in zip(searched, fixed):
-            assert s["relative_error"] <= f["relative_error"] + 1e-12
+                               calibration=calib(tokens))
+        assert selection_loss(fixed, selection) == pytest.approx(tried[k], abs=1e-6)
+
+
+def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
+    with pytest.raises(ValueError, match="needs a selection sample"):
+        convert_to_mla(tiny_causal_lm("gqa"), rope="rorope", svd="joint", init="bkv", kv_elements=24,
+                       calibration=calib(tokens))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -101,7 +114,8 @@ def test_budget_range_and_name():
     spec = MLASpec.create(shape, rope="rorope", r=4, svd="joint", init="bkv", score="rotation", kv_elements=72)
     assert spec.name_parts() == ("rorope-rotation", "joint-kv72-search-bkv")
     fixed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", kv_elements=72, rope_pairs=16)
-    assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and "attention_inputs" in fixed.statistics
+    assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and fixed.searches_rope_pairs is False
+    assert spec.searches_rope_pairs and "attention_inputs" not in spec.statistics
 
 
 def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp_path):
@@ -117,4 +131,5 @@ def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp
     assert record["kv"]["ratio_measured"] == pytest.approx(record["kv"]["ratio_nominal"]) == pytest.approx(20 / FULL)
     split = record["conversion"]["budget_split"]
     assert [2 * s["rope_pairs"] + s["latent"] for s in split] == [20, 20]
+    assert record["conversion"]["budget_search"]["rope_pairs"] == split[0]["rope_pairs"]
     assert "joint-kv20-search-bkv" in record["run_name"]

@@ -41,10 +41,12 @@ class MLAConfig(LlamaConfig):
 
     def conversion_facts(self) -> dict:
         """What the conversion decided beyond its spec: the RoPE layout, per-layer latent widths (None: all
-        n_kv*d_kv) and, for inits that measure candidates, which one each layer kept."""
+        n_kv*d_kv), for inits that measure candidates which one each layer kept, and under a KV budget the
+        split of each layer and the search that chose it."""
+        mla = self.mla or {}
         return {"rope_layout": self.rope_layout, "latent_dims": self.latent_dims,
-                "init_choices": (self.mla or {}).get("init_choices"),
-                "budget_split": (self.mla or {}).get("budget_split")}
+                "init_choices": mla.get("init_choices"), "budget_split": mla.get("budget_split"),
+                "budget_search": mla.get("budget_search")}
 
 
 MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

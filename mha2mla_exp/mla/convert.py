@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from .budget import split_budget
+from .budget import search_rope_pairs
 from .calibration import Calibration
 from .configuration import MLAConfig
-from .layouts import KeySplit
+from .layouts import KeySplit, RotatedPairs
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
 from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
 from .modeling import MLAAttention, MLAForCausalLM
@@ -69,6 +69,7 @@ def convert_to_mla(
     kv_elements: int | None = None,
     rope_pairs: int | None = None,
     calibration: Iterable | None = None,
+    selection: Iterable | None = None,
 ) -> MLAForCausalLM:
     """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md and docs/ARCHITECTURE.md.
 
@@ -77,10 +78,11 @@ def convert_to_mla(
     `init` a registered low-rank init (weight = the paper's plain SVD | activation | bkv | output);
     `allocation`: 'uniform' (n_kv*d_kv per layer) or 'global' (the same total, spread over the layers by the
     init's objective). `kv_elements` (rope='rorope', svd='joint', no d_kv): a budget of cached elements per
-    token and layer, split per layer between rope pairs and latent by measurement, or with `rope_pairs`
-    fixed (mla/budget.py). `calibration` is an iterable of input_ids batches, required by the strategies and
-    inits that read statistics. The original model is left untouched: the converted one owns copies of
-    every weight.
+    token and layer, `rope_pairs` rotated pairs in every layer and a latent of the rest; with `rope_pairs`
+    null, the count whose whole conversion has the lowest next-token loss on `selection` (input_ids batches,
+    not the held-out rows; mla/budget.py). `calibration` is an iterable of input_ids batches, required by
+    the strategies and inits that read statistics. The original model is left untouched: the converted one
+    owns copies of every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
@@ -89,27 +91,47 @@ def convert_to_mla(
     if spec.needs_calibration and calibration is None:
         raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
                          "(an iterable of input_ids batches)")
+    if spec.searches_rope_pairs and selection is None:
+        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs searched needs a selection sample "
+                         "(an iterable of input_ids batches) to score each split on")
     calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
     calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
-    layers = [layer.self_attn for layer in model.model.layers]
-    budget = split_budget(model, spec, calib) if spec.kv_elements is not None else None
-    if budget is not None:
-        selections, latents = [b.selection for b in budget], [b.latent for b in budget]
-    else:
+    if spec.kv_elements is None:
         selections = ROPE_STRATEGIES.get(spec.rope).select(shape, spec.r, spec.score, calib)
+        return _assemble(model, spec, calib, selections, None)
+    ranked = ROPE_STRATEGIES.get(spec.rope).ranked(shape, spec.score, calib)
+
+    def with_pairs(k: int) -> MLAForCausalLM:
+        selections = [RotatedPairs(u, order[:k]) for u, order in ranked]
+        return _assemble(model, spec, calib, selections, [spec.kv_elements - 2 * k] * shape.num_layers)
+
+    if not spec.searches_rope_pairs:
+        return with_pairs(spec.rope_pairs)
+    best, losses = search_rope_pairs(spec, shape, with_pairs, list(selection))
+    mla = with_pairs(best)
+    mla.config.mla["budget_search"] = {"rope_pairs": best, "selection_loss": {str(k): round(v, 6) for k, v in
+                                                                              sorted(losses.items())}}
+    return mla
+
+
+def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: list, widths: list[int] | None
+              ) -> MLAForCausalLM:
+    """The MLA model for the rope `selections` of every layer and latents of `widths` (None: n_kv*d_kv)."""
+    shape = ModelShape.from_config(model.config)
+    layers = [layer.self_attn for layer in model.model.layers]
     splits = [sel.split(attn, shape) for sel, attn in zip(selections, layers)]
-    if budget is None:
-        latents = None
-        if spec.svd != "none":
-            problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
-                        for i, (split, attn) in enumerate(zip(splits, layers))]
-            latents = low_rank_latents(model, problems, spec, calib)
+    latents = None
+    if spec.svd != "none":
+        problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
+                    for i, (split, attn) in enumerate(zip(splits, layers))]
+        latents = low_rank_latents(model, problems, spec, calib, widths)
     config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
     if latents and any(x.choice for x in latents):
         config.mla["init_choices"] = [x.choice for x in latents]
-    if budget is not None:
-        config.mla["budget_split"] = [b.report() for b in budget]
+    if spec.kv_elements is not None:
+        config.mla["budget_split"] = [{"rope_pairs": len(sel.kept), "latent": x.width} for sel, x in
+                                      zip(selections, latents)]
     state = {
         name: tensor.detach().clone()
         for name, tensor in model.state_dict().items()
@@ -174,14 +196,17 @@ class Latent:
         return self.down.shape[0]
 
 
-def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASpec, calib: Calibration) -> list[Latent]:
-    """Every layer's factors under the spec's init and allocation. The factorised rows are the compact NoPE
-    keys and the values; `nope_embed` maps the key factor back to the keys heads meet. 'global' allocation
-    sizes the layers by the energies of the init's own weighting; an init offering several weightings then
-    gets, per layer, the one whose truncation is measured closest to the full-rank layer (`LayerMeter`)."""
+def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASpec, calib: Calibration,
+                     widths: list[int] | None = None) -> list[Latent]:
+    """Every layer's factors under the spec's init and allocation, `widths` wide (None: n_kv*d_kv, or, under
+    'global' allocation, that total sized by the energies of the init's own weighting). The factorised rows
+    are the compact NoPE keys and the values; `nope_embed` maps the key factor back to the keys heads meet.
+    An init offering several weightings gets, per layer, the one whose truncation is measured closest to the
+    full-rank layer (`LayerMeter`)."""
     init = LOWRANK_INITS.get(spec.init)
     shape = problems[0].shape
-    widths = [shape.num_kv_heads * spec.d_kv] * len(problems)
+    if widths is None:
+        widths = [shape.num_kv_heads * spec.d_kv] * len(problems)
     if spec.allocation == "global":
         energies = [_joint_svd(p, init.weighting(p, calib)).energy for p in problems]
         caps = [shape.num_kv_heads * max_d_kv(shape, spec.r, "joint")] * len(problems)

@@ -54,7 +54,7 @@ class MLASpec:
     init: str = "weight"
     allocation: str = "uniform"
     kv_elements: int | None = None  # a KV budget per token and layer (rope dims + latent) instead of r / d_kv
-    rope_pairs: int | None = None   # with kv_elements: rotated pairs every layer keeps; None = searched per layer
+    rope_pairs: int | None = None   # with kv_elements: rotated pairs every layer keeps; None = searched (budget.py)
 
     @classmethod
     def create(
@@ -127,8 +127,12 @@ class MLASpec:
     def statistics(self) -> tuple[str, ...]:
         """The calibration statistics this conversion reads (empty: it needs no calibration data)."""
         init = LOWRANK_INITS.get(self.init).statistics if self.svd != "none" else ()
-        budget = ("attention_inputs",) if self.kv_elements is not None else ()  # the split is measured on them
-        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init + budget))
+        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init))
+
+    @property
+    def searches_rope_pairs(self) -> bool:
+        """A KV budget whose rope/latent split is searched on a selection sample (mla/budget.py)."""
+        return self.kv_elements is not None and self.rope_pairs is None
 
     @property
     def needs_calibration(self) -> bool:
@@ -222,7 +226,7 @@ def _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pair
         raise ValueError(f"kv_elements={kv_elements} leaves no split into rope pairs and a latent for this model")
     if rope_pairs is not None and (isinstance(rope_pairs, bool) or rope_pairs not in allowed):
         raise ValueError(f"rope_pairs={rope_pairs!r}: under kv_elements={kv_elements} a layer keeps "
-                         f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched per layer)")
+                         f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched)")
 
 
 def _check_choice(name: str, value, choices) -> None:

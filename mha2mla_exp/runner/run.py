@@ -159,7 +159,8 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
         record["model"]["params_original"] = stages.count_parameters(model)
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        model = stages.convert(plan, model, stages.calibration_batches(cfg, plan, data))
+        model = stages.convert(plan, model, stages.calibration_batches(cfg, plan, data),
+                               stages.selection_batches(cfg, plan, data))
         timings["convert_s"] = round(time.perf_counter() - t, 3)
         _describe_model(record, plan, model)
         return model
@@ -226,7 +227,8 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
         record["model"]["params_original"] = kept.info()["model"]["params_original"]
         record["reused_conversion"] = str(kept.dir)
     else:
-        model = stages.convert(plan, original, stages.calibration_batches(cfg, plan, data))
+        model = stages.convert(plan, original, stages.calibration_batches(cfg, plan, data),
+                               stages.selection_batches(cfg, plan, data))
         if kept is not None and dist.is_main_process:
             with kept.lock():
                 kept.save(model, tokenizer, {"model": {"params_original": record["model"]["params_original"],

@@ -88,12 +88,23 @@ def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tens
     return list(sample(data, n=c.num_sequences, seq_len=c.seq_len, batch_size=c.batch_size))
 
 
-def convert(plan: RunPlan, model, calibration):
+def selection_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
+    """The rows a KV-budget search scores its candidate splits on (`svd.selection`): train split, a seed of
+    their own (calibration draws with 0, layer-wise distillation with `seed + 1`); None when nothing is searched."""
+    if plan.spec is None or not plan.spec.searches_rope_pairs:
+        return None
+    from ..data import calibration_batches as sample
+
+    s = cfg.svd.selection
+    return list(sample(data, n=s.num_sequences, seq_len=s.seq_len, batch_size=s.batch_size, seed=cfg.seed + 2))
+
+
+def convert(plan: RunPlan, model, calibration, selection=None):
     """The MLA model for `plan.spec`, or the model unchanged for the original / full-attention rows and for a
     saved MLA folder (already converted)."""
     if plan.spec is None or getattr(model.config, "model_type", None) == "mha2mla":
         return model
-    return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration)
+    return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration, selection=selection)
 
 
 def distill(cfg: DictConfig, teacher, student, data) -> dict:
