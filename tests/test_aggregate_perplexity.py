@@ -223,3 +223,30 @@ def test_perplexity_pairs_leave_out_two_changes_within_a_factor(tmp_path):
     assert all("init=activation" in row["A"] and "sigma" not in row["A"] for row in pairs)
     assert sorted("sigma=sqrt" in row["B"] for row in pairs) == [False, True]
     assert not any("d_kv=8" in row["A"] + row["B"] for row in pairs)
+
+
+def test_ours_against_transmla_is_paired_over_the_same_rows_and_says_when_resolved(tmp_path):
+    from mha2mla_exp.aggregate.zero_shot import budget_comparison, reference_conversions
+
+    rng = np.random.default_rng(0)
+    ref_nll = list(4.6 + 0.1 * rng.standard_normal(32))
+    (tmp_path / "qk32_kv40.json").write_text(json.dumps({
+        "status": "ok", "total": 72, "qk_mqa_dim": 32, "kv_lora_rank": 40, "original_cache": 384,
+        "heldout_ppl": float(np.exp(np.mean(ref_nll))), "options": {"freqfold_chosen": 4},
+        "transmla": {"commit": "9c0d25458a31"}, "heldout_row_nll": ref_nll, "heldout_row_tokens": [511] * 32}))
+
+    def run(name, nll):
+        return {"status": "ok", "train_tokens": 0, "method": "partial_rope+svd", "experiment": "budget_zero_shot",
+                "kv_mem_change_pct": -81.25, "kv_split": "searched", "rope": name, "rope_dims": "32", "r": None,
+                "d_kv": None, "heldout_ppl": float(np.exp(np.mean(nll))) if nll else 100.0, "options": name,
+                "heldout_row_nll": nll, "heldout_row_tokens": [511] * 32 if nll else None}
+
+    runs = pd.DataFrame([run("lower", [x - 0.02 for x in ref_nll]),
+                         run("same", [x + (0.01 if i % 2 else -0.01) for i, x in enumerate(ref_nll)]),
+                         run("unpaired", None)])
+    table = budget_comparison(runs, reference_conversions(tmp_path)).set_index("options")
+    assert table.loc["lower", "verdict"] == "ours lower"
+    assert table.loc["lower", "ours / TransMLA [95 %]"].startswith(f"{np.exp(-0.02):.3f} [")
+    assert table.loc["same", "verdict"] == "not resolved"
+    assert table.loc["unpaired", "verdict"].startswith("no interval")
+    assert (table["KV elements"] == 72).all() and len(table) == 4  # TransMLA's own row beside ours

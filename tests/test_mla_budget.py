@@ -35,8 +35,9 @@ def test_full_budget_reproduces_the_original(tokens, rope_pairs):
     assert {s["rope_pairs"] for s in split} == {16}
     if rope_pairs is None:  # the search scored the lossless split at the original's own loss
         search = mla.config.mla["budget_search"]
-        assert search["rope_pairs"] == 16
-        assert search["selection_loss"]["16"] == pytest.approx(selection_loss(model, [tokens]), abs=1e-5)
+        assert search["rope_pairs"] == 16 and search["key_weight"] == 1.0
+        best = [c for c in search["candidates"] if c["rope_pairs"] == 16]
+        assert best[0]["selection_loss"] == pytest.approx(selection_loss(model, [tokens]), abs=1e-5)
 
 
 @torch.no_grad()
@@ -73,22 +74,47 @@ def test_the_search_keeps_the_split_of_lowest_selection_loss_among_those_it_trie
     model = tiny_causal_lm("gqa")
     budget = 24
     selection = [tokens.flip(0)]
-    searched = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget,
+    searched = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, key_weight=None,
                               calibration=calib(tokens), selection=selection)
     search = searched.config.mla["budget_search"]
     allowed = budget_pair_range(ModelShape.from_config(model.config), budget)
-    tried = {int(k): v for k, v in search["selection_loss"].items()}
-    assert set(allowed[::4]) <= set(tried) <= set(allowed)  # the coarse grid, then neighbours of the best
-    assert search["rope_pairs"] == min(tried, key=tried.get)
-    assert selection_loss(searched, selection) == pytest.approx(tried[search["rope_pairs"]], abs=1e-6)
-    for k in (allowed.start, search["rope_pairs"], allowed.stop - 1):  # each loss is that fixed split's
+    tried = {(c["rope_pairs"], c["key_weight"]): c["selection_loss"] for c in search["candidates"]}
+    counts = {k for k, w in tried if w == 1.0}
+    assert set(allowed[::4]) <= counts <= set(allowed)  # the coarse grid, then neighbours of the best
+    weights = {w for k, w in tried if k == search["rope_pairs"]}
+    assert {0.5, 1.0, 2.0, 4.0, 8.0} <= weights
+    best = (search["rope_pairs"], search["key_weight"])
+    assert tried[best] == min(tried.values())
+    assert selection_loss(searched, selection) == pytest.approx(tried[best], abs=1e-6)
+    for k, w in [(allowed.start, 1.0), best, (search["rope_pairs"], 0.5)]:  # each loss is that fixed split's
         fixed = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, rope_pairs=k,
-                               calibration=calib(tokens))
-        assert selection_loss(fixed, selection) == pytest.approx(tried[k], abs=1e-6)
+                               key_weight=w, calibration=calib(tokens))
+        assert selection_loss(fixed, selection) == pytest.approx(tried[k, w], abs=1e-6)
+
+
+@torch.no_grad()
+def test_the_key_weight_trades_the_values_fit_for_the_keys(tokens):
+    model = tiny_causal_lm("gqa")
+    x = model.model.layers[0].input_layernorm(model.model.embed_tokens(tokens)).reshape(-1, model.config.hidden_size)
+
+    def nope_keys_and_values(mla):
+        a = mla.model.layers[0].self_attn
+        latent = a.kv_down_proj(x)
+        return a.k_up_proj(latent[:, a.k_latent]), a.v_up_proj(latent[:, a.v_latent])
+
+    exact_k, exact_v = nope_keys_and_values(convert_to_mla(  # 2 pairs + the full-rank latent: lossless NoPE
+        model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=2, calibration=calib(tokens)))
+    errors = {}
+    for weight in (0.25, 1.0, 4.0):
+        k, v = nope_keys_and_values(convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=20,
+                                                   rope_pairs=2, key_weight=weight, calibration=calib(tokens)))
+        errors[weight] = ((k - exact_k).norm().item(), (v - exact_v).norm().item())
+    assert errors[0.25][0] > errors[1.0][0] > errors[4.0][0]  # more weight on the keys: they fit better...
+    assert errors[0.25][1] < errors[1.0][1] < errors[4.0][1]  # ... and the values worse
 
 
 def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
-    with pytest.raises(ValueError, match="needs a selection sample"):
+    with pytest.raises(ValueError, match="needs a selection"):
         convert_to_mla(tiny_causal_lm("gqa"), rope="rorope", svd="joint", init="bkv", kv_elements=24,
                        calibration=calib(tokens))
 
@@ -100,6 +126,9 @@ def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
     ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "rope_pairs": 36}, "keeps 1..35 rotated pairs"),
     ({"rope": "rorope", "svd": "joint", "rope_pairs": 8}, "needs kv_elements"),
     ({"rope": "rorope", "svd": "joint", "kv_elements": 2}, "kv_elements must be an integer >= 3"),
+    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": None}, "key_weight=null .searched. needs"),
+    ({"rope": "rorope", "svd": "split", "d_kv": 16, "key_weight": 2.0}, "has no such trade"),
+    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": 0}, "key_weight must be a positive number"),
 ])
 def test_a_budget_that_cannot_be_met_is_refused_before_any_weight(kwargs, message):
     shape = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -114,8 +143,13 @@ def test_budget_range_and_name():
     spec = MLASpec.create(shape, rope="rorope", r=4, svd="joint", init="bkv", score="rotation", kv_elements=72)
     assert spec.name_parts() == ("rorope-rotation", "joint-kv72-search-bkv")
     fixed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", kv_elements=72, rope_pairs=16)
-    assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and fixed.searches_rope_pairs is False
-    assert spec.searches_rope_pairs and "attention_inputs" not in spec.statistics
+    assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and fixed.searches is False
+    assert spec.searches and "attention_inputs" not in spec.statistics
+    weighed = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
+                             key_weight=None)
+    assert weighed.searches and weighed.name_parts() == ("rorope", "joint-kv72-p16-bkv-kwsearch")
+    weighed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", d_kv=16, key_weight=2)
+    assert weighed.name_parts()[1] == "joint-dkv16-kw2"
 
 
 def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp_path):

@@ -40,7 +40,7 @@ EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
 UNQUANTIZED = "unquantized"
 # MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
-DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform"}
+DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform", "nope_keys": "plain"}
 # the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
 # a run that changes one is labelled with it
 DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4}
@@ -251,7 +251,7 @@ def canonical_run(record: dict) -> dict:
         "kv_elements": None if full_model else _as_int(_get(record, "mla.kv_elements")),
         "rope_dims": None if full_model else rope_dims_label(record),
         "kv_split": None if full_model or _get(record, "mla.kv_elements") is None
-        else "fixed" if _get(record, "mla.rope_pairs") is not None else "searched per layer",
+        else "fixed" if _get(record, "mla.rope_pairs") is not None else "searched",
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
@@ -367,6 +367,11 @@ def options_label(record: dict) -> str | None:
     # a record from before an option existed has NaN there (a frame mixing old and new records): the default
     changed = [f"{name}={record[f'mla.{name}']}" for name, default in DEFAULT_OPTIONS.items()
                if _get(record, f"mla.{name}") not in (None, default)]
+    searched = _get(record, "conversion.budget_search.key_weight")  # a KV budget that searched its key weight
+    if searched is not None and _get(record, "mla.key_weight") is None:
+        changed.append(f"key_weight=searched ({searched:g})")
+    elif _get(record, "mla.key_weight") not in (None, 1.0):
+        changed.append(f"key_weight={_get(record, 'mla.key_weight'):g}")
     return ", ".join(changed) or None
 
 

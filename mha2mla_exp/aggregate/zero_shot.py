@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from .perplexity_pairs import ratio_interval
 
 ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot", "budget_zero_shot")
 
@@ -60,17 +63,27 @@ def reference_conversions(folder: Path) -> pd.DataFrame:
                         "rope dims": str(r["qk_mqa_dim"]), "latent": str(r["kv_lora_rank"]),
                         "held-out ppl": r["heldout_ppl"], "_original_cache": int(r["original_cache"]),
                         "options": f"freqfold {options.get('freqfold_chosen', options.get('freqfold'))}, "
-                                   f"commit {r['transmla']['commit'][:8]}"})
+                                   f"commit {r['transmla']['commit'][:8]}",
+                        "_row_nll": r.get("heldout_row_nll"), "_row_tokens": r.get("heldout_row_tokens")})
     return pd.DataFrame.from_records(records)
+
+
+def _rows(nll, tokens) -> tuple[np.ndarray, np.ndarray] | None:
+    if not isinstance(nll, list) or not isinstance(tokens, list) or len(nll) != len(tokens) or not nll:
+        return None
+    return np.asarray(nll, dtype=float), np.asarray(tokens, dtype=float)
 
 
 def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """Ours against the reference converter at equal cached elements per token and layer: every un-fine-tuned
     conversion of ours with a joint latent (a fixed r/d_kv or a KV budget) at a total the reference measured.
-    Our elements per token and layer are the measured cache ratio times the original's cache."""
+    Our elements per token and layer are the measured cache ratio times the original's cache. Where both sides
+    kept per-row NLLs of the same held-out rows, "ours / reference" is the perplexity ratio with its paired
+    bootstrap 95 % interval over those rows, and resolved only when the interval excludes 1."""
     if not len(reference):
         return pd.DataFrame()
     full = int(reference["_original_cache"].iloc[0])
+    by_elements = {int(e): row for e, row in zip(reference["KV elements"], reference.to_dict("records"))}
     ok = runs[(runs["status"] == "ok") & runs["train_tokens"].fillna(0).eq(0) & (runs["method"] == "partial_rope+svd")
               & runs["experiment"].isin(ZERO_SHOT_EXPERIMENTS)]
     records = []
@@ -85,9 +98,18 @@ def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFra
             n_kv = elements // (2 * int(run["r"]) + int(run["d_kv"]))
             converter, rope_dims = f"ours: {run['rope']} r={int(run['r'])}", str(2 * n_kv * int(run["r"]))
             latent = str(n_kv * int(run["d_kv"]))
+        ref = by_elements[elements]
+        ours_rows, ref_rows = _rows(run.get("heldout_row_nll"), run.get("heldout_row_tokens")), \
+            _rows(ref["_row_nll"], ref["_row_tokens"])
+        vs, verdict = "", "no interval (no per-row NLL)"
+        if ours_rows is not None and ref_rows is not None and np.array_equal(ours_rows[1], ref_rows[1]):
+            ratio, low, high = ratio_interval(ref_rows, ours_rows)
+            vs = f"{ratio:.3f} [{low:.3f}, {high:.3f}]"
+            verdict = "ours lower" if high < 1 else "ours higher" if low > 1 else "not resolved"
         records.append({"KV elements": elements, "converter": converter, "rope dims": rope_dims, "latent": latent,
-                        "held-out ppl": run["heldout_ppl"], "options": run.get("options") or ""})
-    table = pd.concat([reference.drop(columns="_original_cache"), pd.DataFrame.from_records(records)],
-                      ignore_index=True)
+                        "held-out ppl": run["heldout_ppl"], "options": run.get("options") or "",
+                        "ours / TransMLA [95 %]": vs, "verdict": verdict})
+    table = pd.concat([reference.drop(columns=["_original_cache", "_row_nll", "_row_tokens"]),
+                       pd.DataFrame.from_records(records)], ignore_index=True)
     table["held-out ppl"] = table["held-out ppl"].astype(float).round(1)
-    return table.sort_values(["KV elements", "held-out ppl"]).reset_index(drop=True)
+    return table.sort_values(["KV elements", "held-out ppl"]).reset_index(drop=True).fillna("")

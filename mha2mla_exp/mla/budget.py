@@ -8,7 +8,9 @@ TransMLA's best points give the rope key more (32 + 40).
 `rope_pairs` fixes K. Left null, K is searched end to end: for each candidate K the whole model is converted
 with K pairs in every layer and scored by its next-token loss on a selection sample (train split, a seed of
 its own, never the held-out rows), on a coarse grid of counts and then by halving steps around the best.
-The converted config's `mla.budget_search` keeps the loss of every K tried.
+`key_weight` (null: searched the same way, at the chosen K) multiplies the low-rank init's weight on the NoPE
+keys' error against the values': the joint latent's trade between scores and values, which BKV sets by equal
+energies and the model's loss may not. The converted config's `mla.budget_search` keeps every candidate tried.
 
 Why one K for every layer, scored on the model's loss: this module first searched each layer on its own, by
 the distance of its attention output to the original layer's. At 72 it chose 7..35 pairs per layer and
@@ -29,6 +31,8 @@ from .spec import MLASpec, ModelShape, budget_pair_range
 log = logging.getLogger(__name__)
 
 COARSE_STEP = 4  # the first grid of pair counts; then steps 2 and 1 around the best
+KEY_WEIGHTS = (0.5, 1.0, 2.0, 4.0, 8.0)  # the key weights tried first (multiples of the init's own K weight)
+MAX_EXTENSIONS = 3
 
 
 @torch.no_grad()
@@ -47,26 +51,37 @@ def selection_loss(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     return total / count
 
 
-def search_rope_pairs(spec: MLASpec, shape: ModelShape, build: Callable[[int], nn.Module],
-                      selection: list[torch.Tensor]) -> tuple[int, dict[int, float]]:
-    """The pair count K (the same in every layer) whose conversion `build(K)` has the lowest selection loss,
-    and the loss of every K tried. Coarse grid every COARSE_STEP counts (the last count included), then the
-    neighbours of the best at steps 2 and 1."""
-    allowed = budget_pair_range(shape, spec.kv_elements)
-    losses: dict[int, float] = {}
+def search_split(spec: MLASpec, shape: ModelShape, build: Callable[[int, float], nn.Module],
+                 selection: list[torch.Tensor]) -> tuple[int, float, list[dict]]:
+    """The pair count K (the same in every layer) and the key weight whose conversion `build(K, weight)` has the
+    lowest selection loss, and every candidate tried as {rope_pairs, key_weight, selection_loss}. K first (at
+    the spec's key weight, 1 when that is searched too): a grid every COARSE_STEP counts (the last included),
+    then steps 2 and 1 around the best; then the key weight at that K over KEY_WEIGHTS, doubled or halved past
+    an edge while the edge keeps winning."""
+    tried: dict[tuple[int, float], float] = {}
 
-    def loss(k: int) -> float:
-        if k not in losses:
-            losses[k] = selection_loss(build(k), selection)
-            log.info("KV budget %d: %d rope pairs + latent %d -> selection loss %.4f",
-                     spec.kv_elements, k, spec.kv_elements - 2 * k, losses[k])
-        return losses[k]
+    def loss(k: int, weight: float) -> float:
+        if (k, weight) not in tried:
+            tried[k, weight] = selection_loss(build(k, weight), selection)
+            log.info("KV budget %d: %d rope pairs + latent %d, key weight %g -> selection loss %.4f",
+                     spec.kv_elements, k, spec.kv_elements - 2 * k, weight, tried[k, weight])
+        return tried[k, weight]
 
-    grid = list(allowed[::COARSE_STEP]) + ([allowed[-1]] if (len(allowed) - 1) % COARSE_STEP else [])
-    best = min(grid, key=loss)
-    for step in (2, 1):
-        for k in (best - step, best + step):
-            if k in allowed:
-                loss(k)
-        best = min(losses, key=losses.get)
-    return best, losses
+    weight = 1.0 if spec.key_weight is None else spec.key_weight
+    k = spec.rope_pairs
+    if k is None:
+        allowed = budget_pair_range(shape, spec.kv_elements)
+        grid = list(allowed[::COARSE_STEP]) + ([allowed[-1]] if (len(allowed) - 1) % COARSE_STEP else [])
+        k = min(grid, key=lambda c: loss(c, weight))
+        for step in (2, 1):
+            k = min([k] + [c for c in (k - step, k + step) if c in allowed], key=lambda c: loss(c, weight))
+    if spec.key_weight is None:
+        weights = list(KEY_WEIGHTS)
+        weight = min(weights, key=lambda w: loss(k, w))
+        for _ in range(MAX_EXTENSIONS):
+            if weight not in (weights[0], weights[-1]):
+                break
+            weights = [weights[0] / 2] + weights if weight == weights[0] else weights + [weights[-1] * 2]
+            weight = min(weights, key=lambda w: loss(k, w))
+    candidates = [{"rope_pairs": c, "key_weight": w, "selection_loss": round(v, 6)} for (c, w), v in tried.items()]
+    return k, weight, candidates

@@ -238,6 +238,38 @@ class RotationDistance(Statistic):
         return (self.total / n_tokens).float()
 
 
+class AttendedCosine(Statistic):
+    """Per layer, query head h and frequency f, c_{h,f} = mean over queries t of sum_s p_ts cos(theta_f (t-s)):
+    the attention-weighted mean of how pair f's rotation turns a score term Re(q k* e^{i theta_f (t-s)}). A pair
+    that loses RoPE scores q.k as at distance 0; scaling its key by c makes that term's mean over the attended
+    distances right instead (`nope_keys='attended'`, mla/nope_keys.py). Read from the model's own cos/sin.
+    [L, n_h, d_h/2]"""
+
+    name = "attended_cosine"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
+
+    def attach(self, layers):
+        half = self.shape.head_dim // 2
+
+        def hook(total):
+            def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
+                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
+                # cos(a - b) = cos a cos b + sin a sin b
+                total.add_((torch.einsum("bhts,tf,sf->hf", p, cos, cos)
+                            + torch.einsum("bhts,tf,sf->hf", p, sin, sin)).double().cpu())
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
+                for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return (self.total / n_tokens).float()
+
+
 class AttentionInputs(Statistic):
     """The attention layers' inputs (the normed hidden states) for the first calibration batches, up to
     `max_tokens` tokens, with each batch's cos/sin: what a converted layer is measured on against the

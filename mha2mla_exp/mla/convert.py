@@ -10,13 +10,14 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from .budget import search_rope_pairs
+from .budget import search_split
 from .calibration import Calibration
 from .configuration import MLAConfig
 from .layouts import KeySplit, RotatedPairs
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
 from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
 from .modeling import MLAAttention, MLAForCausalLM
+from .nope_keys import apply_nope_keys
 from .rope import ROPE_STRATEGIES
 from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, max_d_kv
 
@@ -68,6 +69,8 @@ def convert_to_mla(
     allocation: str = "uniform",
     kv_elements: int | None = None,
     rope_pairs: int | None = None,
+    nope_keys: str = "plain",
+    key_weight: float | None = 1.0,
     calibration: Iterable | None = None,
     selection: Iterable | None = None,
 ) -> MLAForCausalLM:
@@ -80,52 +83,56 @@ def convert_to_mla(
     init's objective). `kv_elements` (rope='rorope', svd='joint', no d_kv): a budget of cached elements per
     token and layer, `rope_pairs` rotated pairs in every layer and a latent of the rest; with `rope_pairs`
     null, the count whose whole conversion has the lowest next-token loss on `selection` (input_ids batches,
-    not the held-out rows; mla/budget.py). `calibration` is an iterable of input_ids batches, required by
-    the strategies and inits that read statistics. The original model is left untouched: the converted one
-    owns copies of every weight.
+    not the held-out rows; mla/budget.py). `nope_keys`: the keys of pairs that lose RoPE, 'plain' (the
+    paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py). `key_weight` multiplies the
+    init's weight on the NoPE keys' error in the joint SVD (None: searched, under a KV budget). `calibration`
+    is an iterable of input_ids batches, required by the strategies and inits that read statistics. The
+    original model is left untouched: the converted one owns copies of every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
     spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init,
-                          allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs)
+                          allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs,
+                          nope_keys=nope_keys, key_weight=key_weight)
     if spec.needs_calibration and calibration is None:
         raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
                          "(an iterable of input_ids batches)")
-    if spec.searches_rope_pairs and selection is None:
-        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs searched needs a selection sample "
-                         "(an iterable of input_ids batches) to score each split on")
+    if spec.searches and selection is None:
+        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs or key_weight searched needs a selection "
+                         "sample (an iterable of input_ids batches) to score each split on")
     calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
     calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
     if spec.kv_elements is None:
         selections = ROPE_STRATEGIES.get(spec.rope).select(shape, spec.r, spec.score, calib)
-        return _assemble(model, spec, calib, selections, None)
+        return _assemble(model, spec, calib, selections, None, spec.key_weight)
     ranked = ROPE_STRATEGIES.get(spec.rope).ranked(shape, spec.score, calib)
 
-    def with_pairs(k: int) -> MLAForCausalLM:
+    def with_split(k: int, key_weight: float) -> MLAForCausalLM:
         selections = [RotatedPairs(u, order[:k]) for u, order in ranked]
-        return _assemble(model, spec, calib, selections, [spec.kv_elements - 2 * k] * shape.num_layers)
+        return _assemble(model, spec, calib, selections, [spec.kv_elements - 2 * k] * shape.num_layers, key_weight)
 
-    if not spec.searches_rope_pairs:
-        return with_pairs(spec.rope_pairs)
-    best, losses = search_rope_pairs(spec, shape, with_pairs, list(selection))
-    mla = with_pairs(best)
-    mla.config.mla["budget_search"] = {"rope_pairs": best, "selection_loss": {str(k): round(v, 6) for k, v in
-                                                                              sorted(losses.items())}}
+    if not spec.searches:
+        return with_split(spec.rope_pairs, spec.key_weight)
+    pairs, key_weight, candidates = search_split(spec, shape, with_split, list(selection))
+    mla = with_split(pairs, key_weight)
+    mla.config.mla["budget_search"] = {"rope_pairs": pairs, "key_weight": key_weight, "candidates": candidates}
     return mla
 
 
-def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: list, widths: list[int] | None
-              ) -> MLAForCausalLM:
-    """The MLA model for the rope `selections` of every layer and latents of `widths` (None: n_kv*d_kv)."""
+def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: list, widths: list[int] | None,
+              key_weight: float) -> MLAForCausalLM:
+    """The MLA model for the rope `selections` of every layer, latents of `widths` (None: n_kv*d_kv) and the
+    init's NoPE-key weight times `key_weight`."""
     shape = ModelShape.from_config(model.config)
     layers = [layer.self_attn for layer in model.model.layers]
     splits = [sel.split(attn, shape) for sel, attn in zip(selections, layers)]
+    splits = apply_nope_keys(spec.nope_keys, splits, selections, shape, calib)
     latents = None
     if spec.svd != "none":
         problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
                     for i, (split, attn) in enumerate(zip(splits, layers))]
-        latents = low_rank_latents(model, problems, spec, calib, widths)
+        latents = low_rank_latents(model, problems, spec, calib, widths, key_weight)
     config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
     if latents and any(x.choice for x in latents):
         config.mla["init_choices"] = [x.choice for x in latents]
@@ -197,24 +204,29 @@ class Latent:
 
 
 def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASpec, calib: Calibration,
-                     widths: list[int] | None = None) -> list[Latent]:
+                     widths: list[int] | None = None, key_weight: float = 1.0) -> list[Latent]:
     """Every layer's factors under the spec's init and allocation, `widths` wide (None: n_kv*d_kv, or, under
     'global' allocation, that total sized by the energies of the init's own weighting). The factorised rows
     are the compact NoPE keys and the values; `nope_embed` maps the key factor back to the keys heads meet.
     An init offering several weightings gets, per layer, the one whose truncation is measured closest to the
-    full-rank layer (`LayerMeter`)."""
+    full-rank layer (`LayerMeter`). Every weighting's NoPE-key block is multiplied by `key_weight`."""
     init = LOWRANK_INITS.get(spec.init)
     shape = problems[0].shape
+
+    def weightings(p: LayerProblem) -> list[Weighting]:
+        return [_weigh_keys(w, key_weight, len(p.split.nope_weight)) for w in init.weightings(p, calib)]
+
     if widths is None:
         widths = [shape.num_kv_heads * spec.d_kv] * len(problems)
     if spec.allocation == "global":
-        energies = [_joint_svd(p, init.weighting(p, calib)).energy for p in problems]
+        energies = [_joint_svd(p, _weigh_keys(init.weighting(p, calib), key_weight, len(p.split.nope_weight))).energy
+                    for p in problems]
         caps = [shape.num_kv_heads * max_d_kv(shape, spec.r, "joint")] * len(problems)
         widths = allocate_ranks(energies, sum(widths), caps)
     meter = None
     latents = []
     for p, width in zip(problems, widths):
-        options = init.weightings(p, calib)
+        options = weightings(p)
         candidates = [latent_for(p, w, width, spec) for w in options]
         if len(candidates) > 1:
             meter = meter or LayerMeter(model, spec, [q.split for q in problems], widths, calib)
@@ -223,6 +235,11 @@ def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASp
             candidates = [replace(candidates[best], choice=options[best].label)]
         latents.append(candidates[0])
     return latents
+
+
+def _weigh_keys(w: Weighting, factor: float, m_k: int) -> Weighting:
+    """`w` with its NoPE-key block (the identity when it has none) multiplied by `factor`."""
+    return w if factor == 1.0 else replace(w, k=factor * _or_eye(w.k, m_k))
 
 
 def _joint_svd(p: LayerProblem, w: Weighting):

@@ -86,6 +86,16 @@ class HeadPairs:
         return KeySplit(PER_HEAD, [list(p) for p in self.pairs], q_weight, q_bias, rope_weight, rope_bias,
                         nope_weight, nope_bias, None, nope)
 
+    def nope_readers(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each row of the split's `nope_weight`: its frequency pair [m], and each query head's
+        coefficient on it [m, n_h] (1 for the heads of its KV head's group)."""
+        n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        rows = [(g, d) for g, p in enumerate(self.pairs) for d in range(d_h) if d not in set(rope_dims(p, d_h))]
+        readers = torch.zeros(len(rows), n_h, dtype=torch.float64)
+        for j, (g, _) in enumerate(rows):
+            readers[j, g * (n_h // n_kv):(g + 1) * (n_h // n_kv)] = 1.0
+        return torch.tensor([d % (d_h // 2) for _, d in rows], dtype=torch.long), readers
+
 
 @dataclass(frozen=True)
 class RotatedPairs:
@@ -102,8 +112,7 @@ class RotatedPairs:
         half, d = d_h // 2, shape.hidden_size
         u = self.rotation.double()
         kept = sorted(self.kept, key=lambda cf: (cf[1], cf[0]))
-        kept_set = set(kept)
-        dropped = [(c, f) for f in range(half) for c in range(n_kv) if (c, f) not in kept_set]
+        dropped = self.dropped(shape)
 
         def rotate(w: torch.Tensor) -> torch.Tensor:  # [n_kv, d_h, ...] -> [n_kv (components), d_h, ...]
             re, im = w[:, :half].double(), w[:, half:].double()
@@ -134,3 +143,19 @@ class RotatedPairs:
             pick(k_rot, kept), rope_bias, pick(k_rot, dropped), nope_bias, embed.to(dtype),
             torch.arange(nope_dim).repeat(n_kv, 1), q_rope_scale=scale.to(dtype),
         )
+
+    def dropped(self, shape) -> list[tuple[int, int]]:
+        """The rotated (component, frequency) pairs that become NoPE, frequency-major: the order of the
+        split's compact NoPE coordinates (real parts, then imaginary parts)."""
+        kept = set(self.kept)
+        return [(c, f) for f in range(shape.head_dim // 2) for c in range(shape.num_kv_heads) if (c, f) not in kept]
+
+    def nope_readers(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each row of the split's `nope_weight`: its frequency pair [m], and each query head's
+        coefficient on it [m, n_h] (U_f[g(h), c]: the rotated coordinate is read through the rotation)."""
+        n_h, n_kv = shape.num_heads, shape.num_kv_heads
+        dropped = self.dropped(shape) * 2  # the real and the imaginary coordinate of each pair
+        group = torch.arange(n_h) // (n_h // n_kv)
+        u = self.rotation.double()
+        readers = torch.stack([u[f, group, c] for c, f in dropped]) if dropped else torch.zeros(0, n_h)
+        return torch.tensor([f for _, f in dropped], dtype=torch.long), readers.double()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from . import nope_keys as nope
 from .lowrank_init import LOWRANK_INITS
 from .rope import ROPE_STRATEGIES
 
@@ -55,6 +56,8 @@ class MLASpec:
     allocation: str = "uniform"
     kv_elements: int | None = None  # a KV budget per token and layer (rope dims + latent) instead of r / d_kv
     rope_pairs: int | None = None   # with kv_elements: rotated pairs every layer keeps; None = searched (budget.py)
+    nope_keys: str = "plain"        # the keys of pairs that lose RoPE: plain | attended (mla/nope_keys.py)
+    key_weight: float | None = 1.0  # joint SVD: the init's NoPE-key error weight times this; None = searched
 
     @classmethod
     def create(
@@ -71,9 +74,13 @@ class MLASpec:
         allocation: str = "uniform",
         kv_elements: int | None = None,
         rope_pairs: int | None = None,
+        nope_keys: str = "plain",
+        key_weight: float | None = 1.0,
     ) -> "MLASpec":
         """Check every field against `shape`; raise ValueError naming the field on bad input."""
         strategy = ROPE_STRATEGIES.get(rope)
+        _check_choice("nope_keys", nope_keys, nope.NOPE_KEYS)
+        key_weight = _check_key_weight(key_weight, svd, kv_elements)
         _check_choice("svd", svd, SVD_VARIANTS)
         _check_choice("score", score, SCORES)
         if score not in strategy.scores:
@@ -89,7 +96,8 @@ class MLASpec:
         if kv_elements is not None or rope_pairs is not None:  # r has no meaning: the budget's split decides
             _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs)
             return cls(rope=rope, r=None, svd=svd, d_kv=None, score=score, sigma=sigma, init=init,
-                       allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs)
+                       allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs, nope_keys=nope_keys,
+                       key_weight=key_weight)
         r = strategy.resolve_r(r, shape.head_dim)
 
         if svd == "none":
@@ -115,7 +123,8 @@ class MLASpec:
                     f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
-        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init, allocation=allocation)
+        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init, allocation=allocation,
+                   nope_keys=nope_keys, key_weight=key_weight)
 
     @classmethod
     def recorded(cls, mla: dict) -> "MLASpec":
@@ -127,12 +136,13 @@ class MLASpec:
     def statistics(self) -> tuple[str, ...]:
         """The calibration statistics this conversion reads (empty: it needs no calibration data)."""
         init = LOWRANK_INITS.get(self.init).statistics if self.svd != "none" else ()
-        return tuple(dict.fromkeys(ROPE_STRATEGIES.get(self.rope).needs(self.score) + init))
+        rope = ROPE_STRATEGIES.get(self.rope).needs(self.score) + nope.statistics(self.nope_keys)
+        return tuple(dict.fromkeys(rope + init))
 
     @property
-    def searches_rope_pairs(self) -> bool:
-        """A KV budget whose rope/latent split is searched on a selection sample (mla/budget.py)."""
-        return self.kv_elements is not None and self.rope_pairs is None
+    def searches(self) -> bool:
+        """A KV budget whose rope/latent split or key weight is searched on a selection sample (mla/budget.py)."""
+        return self.kv_elements is not None and (self.rope_pairs is None or self.key_weight is None)
 
     @property
     def needs_calibration(self) -> bool:
@@ -141,23 +151,28 @@ class MLASpec:
     def calibrated_fields(self) -> list[str]:
         """The settings that ask for calibration data, as `field='value'` (for error messages)."""
         fields = [f"rope={self.rope!r}"] if ROPE_STRATEGIES.get(self.rope).needs(self.score) else []
+        if nope.statistics(self.nope_keys):
+            fields.append(f"nope_keys={self.nope_keys!r}")
         if self.svd != "none" and LOWRANK_INITS.get(self.init).statistics:
             fields.append(f"init={self.init!r}")
         return fields
 
     def name_parts(self) -> tuple[str, str]:
-        """The run-name parts of this conversion: RoPE (e.g. '2-norm-r4') and low rank ('joint-dkv16-act';
-        under a KV budget 'joint-kv72-search-bkv' or 'joint-kv72-p16-bkv')."""
+        """The run-name parts of this conversion: RoPE (e.g. '2-norm-r4', '-att' for attended NoPE keys) and
+        low rank ('joint-dkv16-act'; under a KV budget 'joint-kv72-search-bkv' or 'joint-kv72-p16-bkv')."""
         strategy = ROPE_STRATEGIES.get(self.rope)
         if self.kv_elements is not None:
             rope = strategy.name + ("" if self.score == strategy.scores[0] else f"-{self.score}")
-            width = f"{self.svd}-kv{self.kv_elements}-" + ("search" if self.rope_pairs is None else f"p{self.rope_pairs}")
+            pairs = "search" if self.rope_pairs is None else f"p{self.rope_pairs}"
+            width = f"{self.svd}-kv{self.kv_elements}-{pairs}"
         else:
             rope, width = strategy.label(self.r, self.score), f"{self.svd}-dkv{self.d_kv}"
+        rope += "-att" if self.nope_keys == "attended" else ""
         if self.svd == "none":
             return rope, "nosvd"
+        key = "" if self.key_weight == 1.0 else "kwsearch" if self.key_weight is None else f"kw{self.key_weight:g}"
         options = [width, "sqrt" if self.sigma == "sqrt" else "",
-                   LOWRANK_INITS.get(self.init).label, "" if self.allocation == "uniform" else self.allocation]
+                   LOWRANK_INITS.get(self.init).label, "" if self.allocation == "uniform" else self.allocation, key]
         return rope, "-".join(o for o in options if o)
 
     def to_dict(self) -> dict:
@@ -227,6 +242,20 @@ def _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pair
     if rope_pairs is not None and (isinstance(rope_pairs, bool) or rope_pairs not in allowed):
         raise ValueError(f"rope_pairs={rope_pairs!r}: under kv_elements={kv_elements} a layer keeps "
                          f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched)")
+
+
+def _check_key_weight(key_weight, svd: str, kv_elements) -> float | None:
+    if key_weight is None:
+        if kv_elements is None:
+            raise ValueError("key_weight=null (searched) needs kv_elements: the search scores a KV budget's "
+                             "conversions on a selection sample")
+        return None
+    if isinstance(key_weight, bool) or not isinstance(key_weight, (int, float)) or not key_weight > 0:
+        raise ValueError(f"key_weight must be a positive number or null (searched), got {key_weight!r}")
+    if key_weight != 1.0 and svd != "joint":
+        raise ValueError(f"key_weight={key_weight} weighs the NoPE keys against the values in one joint SVD; "
+                         f"svd={svd!r} has no such trade")
+    return float(key_weight)
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -104,6 +104,7 @@ def validate(cfg: DictConfig) -> RunPlan:
                 score=cfg.rope.score, sigma=cfg.svd.sigma, init=cfg.svd.get("init", "weight"),
                 allocation=cfg.svd.get("allocation", "uniform"),
                 kv_elements=cfg.svd.get("kv_elements"), rope_pairs=cfg.svd.get("rope_pairs"),
+                nope_keys=cfg.rope.get("nope_keys", "plain"), key_weight=cfg.svd.get("key_weight", 1.0),
             )
         except ValueError as err:
             raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -254,7 +255,8 @@ def _check_eval(eval_cfg: DictConfig) -> None:
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
                 "init": "svd.init", "allocation": "svd.allocation", "kv_elements": "svd.kv_elements",
-                "rope_pairs": "svd.rope_pairs",
+                "rope_pairs": "svd.rope_pairs", "nope_keys": "rope.nope_keys",
+                "key_weight": "svd.key_weight",
                 "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
 
 

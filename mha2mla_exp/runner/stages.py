@@ -91,7 +91,7 @@ def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tens
 def selection_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
     """The rows a KV-budget search scores its candidate splits on (`svd.selection`): train split, a seed of
     their own (calibration draws with 0, layer-wise distillation with `seed + 1`); None when nothing is searched."""
-    if plan.spec is None or not plan.spec.searches_rope_pairs:
+    if plan.spec is None or not plan.spec.searches:
         return None
     from ..data import calibration_batches as sample
 
