@@ -428,9 +428,9 @@ def test_long_context_plot(agg):
 def test_plots_saved_as_png_and_pdf(written):
     tmp_path = written[0]
     files = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert files == [f"{name}.{ext}" for name in ("kv_memory_vs_avg", "long_context_vs_length", "loss_curves",
-                                                  "recovery_curves", "recovery_study_curves", "strategy_comparison",
-                                                  "teacher_recovery_curves")
+    assert files == [f"{name}.{ext}" for name in ("budget_vs_transmla", "kv_memory_vs_avg", "long_context_vs_length",
+                                                  "loss_curves", "recovery_curves", "recovery_study_curves",
+                                                  "strategy_comparison", "teacher_recovery_curves")
                      for ext in ("pdf", "png")]
     assert all(p.stat().st_size > 1000 for p in (tmp_path / "plots").iterdir())
     assert (tmp_path / "plots/loss_curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -250,3 +250,7 @@ def test_ours_against_transmla_is_paired_over_the_same_rows_and_says_when_resolv
     assert table.loc["same", "verdict"] == "not resolved"
     assert table.loc["unpaired", "verdict"].startswith("no interval")
     assert (table["KV elements"] == 72).all() and len(table) == 4  # TransMLA's own row beside ours
+    from mha2mla_exp.aggregate.plots import budget_vs_reference
+
+    ax = budget_vs_reference(table.reset_index()).axes[0]
+    assert len(ax.lines) == 4 and ax.lines[0].get_linestyle() == "--"  # TransMLA's line first, dashed

@@ -141,8 +141,10 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                "and TransMLA's own converter",
                                "The same SmolLM2-135M, the same 32 x 256 calibration rows and the same 32 x 512 "
                                "held-out rows (original 31.1); TransMLA run by scripts/transmla_reference.py "
-                               "(results/transmla/README.md); one number each, deterministic given the "
-                               "calibration rows.")
+                               "(results/transmla/README.md); one conversion each, deterministic given the "
+                               "calibration rows. ours / TransMLA: the perplexity ratio with a paired bootstrap "
+                               "95% interval over the 32 held-out rows; 'not resolved': it contains 1.")
+        written += plots.save_figure(plots.budget_vs_reference(comparison), out_dir / "plots", "budget_vs_transmla")
     for name, experiments in PERPLEXITY_PAIRS.items():
         pairs = perplexity_pairs(aggregate.runs, experiments)
         if len(pairs):

@@ -358,3 +358,24 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     ax.set_title(title, fontsize="small")
     figure.tight_layout()
     return figure
+
+
+def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
+    """Held-out perplexity against cached elements per token and layer (`zero_shot.budget_comparison`): one
+    line per converter, TransMLA's own code dashed; the paired ratio to it is in the table, not drawn."""
+    figure = Figure(figsize=(6.4, 4.2))
+    ax = figure.subplots()
+    groups = sorted(comparison.groupby("converter", sort=False), key=lambda g: not g[0].startswith("TransMLA"))
+    for converter, rows in groups:
+        rows = rows.sort_values("KV elements")
+        label = converter if not rows["options"].iloc[0] else f"{converter} ({rows['options'].iloc[0]})"
+        reference = converter.startswith("TransMLA")
+        ax.plot(rows["KV elements"], rows["held-out ppl"].astype(float), "s--" if reference else "o-",
+                color="black" if reference else None, label=label[:90])
+    ax.set_xlabel("cached elements per token and layer")
+    ax.set_ylabel("held-out perplexity (zero shot)")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(comparison["KV elements"].unique()))
+    ax.legend(fontsize=6)
+    ax.set_title("Ours against TransMLA's converter at equal KV bytes", fontsize=9)
+    return figure
