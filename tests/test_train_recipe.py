@@ -71,6 +71,21 @@ def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeyp
         precision_for("bf8", "cpu")
 
 
+@pytest.mark.parametrize("bf16_speed, full_probe", [(0.02, False), (3.0, True)])
+def test_the_bf16_probe_screens_small_before_it_times_large(monkeypatch, bf16_speed, full_probe):
+    calls = []
+
+    def fake_seconds(dtype, rows, hidden, intermediate, repeats=5):
+        calls.append(rows)
+        return 1.0 if dtype == torch.float32 else 1.0 / bf16_speed
+
+    monkeypatch.setattr(precision_module, "matmul_seconds", fake_seconds)
+    speedup, detail = precision_module.cpu_bf16_speedup.__wrapped__(123, 456)
+    assert speedup == pytest.approx(bf16_speed)
+    assert calls == [precision_module.SCREEN_ROWS] * 2 + ([2048, 2048] if full_probe else [])
+    assert ("screened" in detail) != full_probe
+
+
 def fraction_changed(before: dict, model) -> float:
     after = model.state_dict()
     changed = total = 0

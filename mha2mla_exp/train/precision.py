@@ -72,21 +72,37 @@ def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, interm
     }[mode]
 
 
+SCREEN_ROWS = 32     # a first bf16/fp32 timing this small, so that a CPU without a bf16 kernel is told in seconds
+SCREEN_VERDICT = 0.25  # bf16 at most this fraction of fp32's speed there: no full probe, bf16 is not worth it
+
+
+def matmul_seconds(dtype: torch.dtype, rows: int, hidden_size: int, intermediate_size: int, repeats: int = 5) -> float:
+    """The best of `repeats` timings of a `rows x hidden @ hidden x intermediate` matmul in `dtype`."""
+    a = torch.randn(rows, hidden_size, dtype=dtype)
+    b = torch.randn(hidden_size, intermediate_size, dtype=dtype)
+    a @ b  # warm-up (kernel selection, page faults)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 2048) -> tuple[float, str]:
-    """bf16 over fp32 throughput of a `rows x hidden @ hidden x intermediate` matmul on this CPU (best of 5)."""
-    def best_seconds(dtype) -> float:
-        a = torch.randn(rows, hidden_size, dtype=dtype)
-        b = torch.randn(hidden_size, intermediate_size, dtype=dtype)
-        a @ b  # warm-up (kernel selection, page faults)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t)
-        return min(times)
+    """bf16 over fp32 throughput of a `rows x hidden @ hidden x intermediate` matmul on this CPU (best of 5).
+    A screen at SCREEN_ROWS rows comes first: where bf16 runs at under SCREEN_VERDICT of fp32's speed there, that
+    is the answer, instead of a full probe that can take an hour (an AVX2-only AMD EPYC, no avx512_bf16, runs
+    bf16 matmuls 50-140x slower than fp32: 85 s against 0.6 s for 256 x 4096 x 11008 on one thread)."""
+    def best_seconds(dtype, n: int, repeats: int = 5) -> float:
+        return matmul_seconds(dtype, n, hidden_size, intermediate_size, repeats)
 
-    fp32, bf16 = best_seconds(torch.float32), best_seconds(torch.bfloat16)
+    screen = best_seconds(torch.float32, SCREEN_ROWS, 1) / best_seconds(torch.bfloat16, SCREEN_ROWS, 1)
+    if screen < SCREEN_VERDICT:
+        return screen, (f"screened at {SCREEN_ROWS}x{hidden_size}x{intermediate_size}: bf16 {1 / screen:.0f}x slower "
+                        f"than fp32, {torch.get_num_threads()} threads")
+    fp32, bf16 = best_seconds(torch.float32, rows), best_seconds(torch.bfloat16, rows)
     flops = 2 * rows * hidden_size * intermediate_size
     detail = (f"{rows}x{hidden_size}x{intermediate_size}: {flops / bf16 / 1e9:.0f} vs {flops / fp32 / 1e9:.0f} GFLOP/s, "
               f"{torch.get_num_threads()} threads")
