@@ -362,20 +362,27 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
 
 def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
     """Held-out perplexity against cached elements per token and layer (`zero_shot.budget_comparison`): one
-    line per converter, TransMLA's own code dashed; the paired ratio to it is in the table, not drawn."""
+    line per converter and options, TransMLA's own code dashed; only our rows paired with it (same held-out
+    rows) are drawn. The paired ratio and its interval are in the table."""
     figure = Figure(figsize=(6.4, 4.2))
     ax = figure.subplots()
-    groups = sorted(comparison.groupby("converter", sort=False), key=lambda g: not g[0].startswith("TransMLA"))
-    for converter, rows in groups:
+    reference = comparison["converter"].str.startswith("TransMLA")
+    paired = comparison[reference | comparison.get("ours / TransMLA [95 %]", pd.Series("", index=comparison.index))
+                        .astype(str).ne("")]
+    # a searched value's outcome, "key_weight=searched (2)", differs by budget; the series is the recipe
+    paired = paired.assign(recipe=paired["options"].astype(str).str.replace(r" \([0-9.]+\)", "", regex=True))
+    groups = sorted(paired.groupby(["converter", "recipe"], sort=False),
+                    key=lambda g: not g[0][0].startswith("TransMLA"))
+    for (converter, options), rows in groups:
         rows = rows.sort_values("KV elements")
-        label = converter if not rows["options"].iloc[0] else f"{converter} ({rows['options'].iloc[0]})"
+        label = f"{converter} ({options})" if options else converter
         reference = converter.startswith("TransMLA")
         ax.plot(rows["KV elements"], rows["held-out ppl"].astype(float), "s--" if reference else "o-",
-                color="black" if reference else None, label=label[:90])
+                color="black" if reference else None, label=label[:110])
     ax.set_xlabel("cached elements per token and layer")
     ax.set_ylabel("held-out perplexity (zero shot)")
     ax.set_yscale("log")
     ax.set_xticks(sorted(comparison["KV elements"].unique()))
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=5)
     ax.set_title("Ours against TransMLA's converter at equal KV bytes", fontsize=9)
     return figure
