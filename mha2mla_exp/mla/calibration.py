@@ -207,67 +207,58 @@ class ValueSpread(Statistic):
         return self.total / n_tokens
 
 
-class RotationDistance(Statistic):
-    """Per layer, query head h and frequency f, rho_{h,f} = mean over queries t of sum_s p_ts
-    |e^{i theta_f t} - e^{i theta_f s}|: how far the rotation of pair f moves over the distances the head
-    actually attends. Dropping RoPE on pair f changes its score term Re(q k* e^{i theta_f (t-s)}) by at most
-    |q||k| times that: a pair whose frequency barely turns within the attended span is NoPE already.
-    Read from the model's own cos/sin (any RoPE scaling included). [L, n_h, d_h/2]"""
+class AttendedPairStatistic(Statistic):
+    """Per layer, query head h and frequency f: the mean over queries t of sum_s p_ts g_f(t, s), p the
+    layer's own causal attention, g a function of pair f's rotation at the two positions (`attended`), read
+    from the model's own cos/sin (any RoPE scaling included). [L, n_h, d_h/2]"""
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
+
+    def attended(self, p: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """sum over batch, t and s of p [B, n_h, T, T] times g(t, s); cos/sin [T, d_h/2] -> [n_h, d_h/2]."""
+        raise NotImplementedError
+
+    def attach(self, layers):
+        half = self.shape.head_dim // 2
+
+        def hook(total):
+            def fn(attn, args, kwargs):
+                p = attention_probs(attn, self.shape, args, kwargs)
+                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
+                total.add_(self.attended(p, cos, sin).double().cpu())
+            return fn
+
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
+                for i, attn in enumerate(layers)]
+
+    def result(self, n_seqs, n_tokens):
+        return (self.total / n_tokens).float()
+
+
+class RotationDistance(AttendedPairStatistic):
+    """rho_{h,f}, g = |e^{i theta_f t} - e^{i theta_f s}|: how far the rotation of pair f moves over the
+    distances the head actually attends. Dropping RoPE on pair f changes its score term
+    Re(q k* e^{i theta_f (t-s)}) by at most |q||k| times that: a pair whose frequency barely turns within the
+    attended span is NoPE already."""
 
     name = "rotation_distance"
 
-    def __init__(self, shape):
-        super().__init__(shape)
-        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
-
-    def attach(self, layers):
-        half = self.shape.head_dim // 2
-
-        def hook(total):
-            def fn(attn, args, kwargs):
-                p = attention_probs(attn, self.shape, args, kwargs)
-                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
-                distance = torch.sqrt((cos[:, None] - cos[None]) ** 2 + (sin[:, None] - sin[None]) ** 2)
-                total.add_(torch.einsum("bhts,tsf->hf", p, distance).double().cpu())
-            return fn
-
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
-                for i, attn in enumerate(layers)]
-
-    def result(self, n_seqs, n_tokens):
-        return (self.total / n_tokens).float()
+    def attended(self, p, cos, sin):
+        distance = torch.sqrt((cos[:, None] - cos[None]) ** 2 + (sin[:, None] - sin[None]) ** 2)
+        return torch.einsum("bhts,tsf->hf", p, distance)
 
 
-class AttendedCosine(Statistic):
-    """Per layer, query head h and frequency f, c_{h,f} = mean over queries t of sum_s p_ts cos(theta_f (t-s)):
-    the attention-weighted mean of how pair f's rotation turns a score term Re(q k* e^{i theta_f (t-s)}). A pair
-    that loses RoPE scores q.k as at distance 0; scaling its key by c makes that term's mean over the attended
-    distances right instead (`nope_keys='attended'`, mla/nope_keys.py). Read from the model's own cos/sin.
-    [L, n_h, d_h/2]"""
+class AttendedCosine(AttendedPairStatistic):
+    """c_{h,f}, g = cos(theta_f (t-s)): the attention-weighted mean of how pair f's rotation turns a score term
+    Re(q k* e^{i theta_f (t-s)}). A pair that loses RoPE scores q.k as at distance 0; scaling its key by c makes
+    that term's mean over the attended distances right instead (`nope_keys='attended'`, mla/nope_keys.py)."""
 
     name = "attended_cosine"
 
-    def __init__(self, shape):
-        super().__init__(shape)
-        self.total = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim // 2, dtype=torch.float64)
-
-    def attach(self, layers):
-        half = self.shape.head_dim // 2
-
-        def hook(total):
-            def fn(attn, args, kwargs):
-                p = attention_probs(attn, self.shape, args, kwargs)
-                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
-                # cos(a - b) = cos a cos b + sin a sin b
-                total.add_((torch.einsum("bhts,tf,sf->hf", p, cos, cos)
-                            + torch.einsum("bhts,tf,sf->hf", p, sin, sin)).double().cpu())
-            return fn
-
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
-                for i, attn in enumerate(layers)]
-
-    def result(self, n_seqs, n_tokens):
-        return (self.total / n_tokens).float()
+    def attended(self, p, cos, sin):  # cos(a - b) = cos a cos b + sin a sin b
+        return torch.einsum("bhts,tf,sf->hf", p, cos, cos) + torch.einsum("bhts,tf,sf->hf", p, sin, sin)
 
 
 class AttentionInputs(Statistic):

@@ -74,11 +74,17 @@ class HeadPairs:
 
     layout = PER_HEAD
 
-    def split(self, attn: nn.Module, shape) -> KeySplit:
-        n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    def _dims(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head, its RoPE dims and its NoPE dims (the rows of the split's `nope_weight`), [n_kv, *]."""
+        n_kv, d_h = shape.num_kv_heads, shape.head_dim
         rope = torch.tensor([rope_dims(p, d_h) for p in self.pairs], dtype=torch.long).view(n_kv, -1)
         nope = torch.tensor([[i for i in range(d_h) if i not in set(dims)] for dims in rope.tolist()],
                             dtype=torch.long).view(n_kv, -1)
+        return rope, nope
+
+    def split(self, attn: nn.Module, shape) -> KeySplit:
+        n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        rope, nope = self._dims(shape)
         perm = torch.cat([rope, nope], dim=1).repeat_interleave(n_h // n_kv, dim=0)  # RoPE dims first
         q_weight, q_bias = _rows(attn.q_proj, n_h, d_h, perm)
         rope_weight, rope_bias = _rows(attn.k_proj, n_kv, d_h, rope)
@@ -89,12 +95,11 @@ class HeadPairs:
     def nope_readers(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """For each row of the split's `nope_weight`: its frequency pair [m], and each query head's
         coefficient on it [m, n_h] (1 for the heads of its KV head's group)."""
-        n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        rows = [(g, d) for g, p in enumerate(self.pairs) for d in range(d_h) if d not in set(rope_dims(p, d_h))]
-        readers = torch.zeros(len(rows), n_h, dtype=torch.float64)
-        for j, (g, _) in enumerate(rows):
-            readers[j, g * (n_h // n_kv):(g + 1) * (n_h // n_kv)] = 1.0
-        return torch.tensor([d % (d_h // 2) for _, d in rows], dtype=torch.long), readers
+        n_h, n_kv = shape.num_heads, shape.num_kv_heads
+        _, nope = self._dims(shape)
+        heads_of = torch.arange(n_kv).repeat_interleave(nope.shape[1])  # each row's KV head
+        readers = (torch.arange(n_h)[None] // (n_h // n_kv) == heads_of[:, None]).double()
+        return nope.reshape(-1) % (shape.head_dim // 2), readers
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def cpu_bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 2048)
     A screen at SCREEN_ROWS rows comes first: where bf16 runs at under SCREEN_VERDICT of fp32's speed there, that
     is the answer, instead of a full probe that can take an hour (an AVX2-only AMD EPYC, no avx512_bf16, runs
     bf16 matmuls 50-140x slower than fp32: 85 s against 0.6 s for 256 x 4096 x 11008 on one thread)."""
-    def best_seconds(dtype, n: int, repeats: int = 5) -> float:
+    def best_seconds(dtype, n: int, repeats: int = 5) -> float:  # the shapes are this probe's
         return matmul_seconds(dtype, n, hidden_size, intermediate_size, repeats)
 
     screen = best_seconds(torch.float32, SCREEN_ROWS, 1) / best_seconds(torch.bfloat16, SCREEN_ROWS, 1)
