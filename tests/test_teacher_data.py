@@ -166,3 +166,37 @@ def test_a_run_can_recover_on_teacher_text_while_calibration_and_held_out_stay_o
     with pytest.raises(ConfigError, match="train.data: recovery text is set, but this run fine-tunes nothing"):
         validate(smoke_cfg(tmp_path, "original", *extra[:1]))
     json.dumps(record)  # the record stays JSON
+
+
+def test_a_published_set_is_copied_into_a_fresh_cache_instead_of_regenerated(cache, teacher, tmp_path, monkeypatch):
+    """A fresh clone trains on the set the repository publishes: the same documents, no teacher loaded, and
+    the cost stated is the one paid when it was written; samples beyond it are generated as usual."""
+    from mha2mla_exp.data import teacher as teacher_mod
+
+    model, tokenizer = teacher
+    cfg = teacher_cfg()
+    written = list(teacher_documents(cfg, tokenizer, model=model))
+    cost = generation_cost(cfg)
+    root = teacher_mod.publish_shards(cfg, tmp_path / "published")
+    assert sorted(p.name for p in root.glob("shard-*")) == sorted(shards(cfg))
+
+    monkeypatch.setattr(teacher_mod, "PUBLISHED_DIR", tmp_path / "published")
+    monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "fresh"))
+    monkeypatch.setattr("mha2mla_exp.models.load_model",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("the teacher was loaded")))
+    assert list(teacher_documents(cfg, tokenizer)) == written
+    again = generation_cost(cfg)
+    assert (again["tokens"], again["cpu_s"], again["wall_s"]) == (cost["tokens"], cost["cpu_s"], cost["wall_s"])
+
+    more = teacher_cfg(count=10)  # one shard more than was published: generated, the rest copied
+    docs = list(teacher_documents(more, tokenizer, model=model))
+    assert docs[:6] == written and len(docs) == 10
+
+
+def test_publishing_an_incomplete_set_is_refused(cache, teacher, tmp_path):
+    from mha2mla_exp.data import teacher as teacher_mod
+
+    model, tokenizer = teacher
+    list(teacher_documents(teacher_cfg(), tokenizer, model=model))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        teacher_mod.publish_shards(teacher_cfg(count=10), tmp_path / "published")

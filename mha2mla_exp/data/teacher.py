@@ -15,6 +15,11 @@ later generates only the missing shards. The shards live under <cache>/teacher/<
 teacher's identity and every generation setting but the count; `generation.json` there states what each
 shard cost in CPU-seconds (process time, all threads) and wall seconds, on which machine.
 
+A set can be published with the repository (results/teacher_samples/shards/<teacher>-<key>/, the same
+folder name, so the same key): a missing shard is then copied from there instead of generated, and its
+manifest entry (what writing it cost, where) comes with it. A fresh clone thus trains on the committed set
+without paying for generation again; the cost stays stated once, as the record's data.generation.
+
 `python -m mha2mla_exp.data.teacher [overrides]` generates the set a data config names and publishes a small
 readable sample (results/teacher_samples/).
 """
@@ -25,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -37,6 +43,7 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 FIRST_TOKENS = ("vocabulary", "list")
+PUBLISHED_DIR = Path(__file__).resolve().parents[2] / "results" / "teacher_samples" / "shards"
 FORMAT = 1
 _PAD = -1  # after a sample's EOS
 
@@ -220,6 +227,7 @@ def generate_shards(cfg: Mapping, tokenizer, *, model=None, progress: bool = Tru
     from filelock import FileLock
 
     with FileLock(str(folder / ".lock")):  # one writer per set, even across runs of a parallel sweep
+        _copy_published(folder, gen)
         missing = [s for s in range(gen.shards) if not (folder / _shard_name(s)).is_file()]
         if not missing:
             return folder
@@ -254,6 +262,42 @@ def generate_shards(cfg: Mapping, tokenizer, *, model=None, progress: bool = Tru
             bar.update(gen.batch_size * gen.length)
         bar.close()
     return folder
+
+
+def _copy_published(folder: Path, gen: GenerationConfig, published_root: Path | None = None) -> None:
+    """Copy into the cache the shards of this set that the repository publishes (same key), with their cost."""
+    source = (published_root or PUBLISHED_DIR) / folder.name
+    published = _read_manifest(source)
+    if published is None:
+        return
+    manifest = _read_manifest(folder) or {k: published[k] for k in ("format", "teacher", "generation")} | {"shards": {}}
+    for shard in range(gen.shards):
+        name = _shard_name(shard)
+        if (folder / name).is_file() or not (source / name).is_file():
+            continue
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        shutil.copyfile(source / name, tmp)
+        os.replace(tmp, folder / name)
+        manifest["shards"][str(shard)] = published["shards"][str(shard)] | {"copied_from": "published"}
+    _write_manifest(folder, manifest)
+
+
+def publish_shards(cfg: Mapping, published_root: Path | None = None) -> Path:
+    """Copy the set's first `count` samples' shards and their manifest from the cache into the repository's
+    published folder (generating what is missing first is the caller's job); returns that folder."""
+    gen = GenerationConfig.from_cfg(cfg["generation"])
+    folder = shard_dir(cfg)
+    dest = (published_root or PUBLISHED_DIR) / folder.name
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest(folder)
+    names = [_shard_name(s) for s in range(gen.shards)]
+    if manifest is None or any(not (folder / n).is_file() for n in names):
+        raise FileNotFoundError(f"teacher set {folder} is incomplete: generate it before publishing")
+    for name in names:
+        shutil.copyfile(folder / name, dest / name)
+    kept = {str(s): manifest["shards"][str(s)] for s in range(gen.shards)}
+    _write_manifest(dest, {k: manifest[k] for k in ("format", "teacher", "generation")} | {"shards": kept})
+    return dest
 
 
 def teacher_documents(cfg: Mapping, tokenizer, *, model=None) -> Iterator[list[int]]:

@@ -5,7 +5,9 @@ Composes the app's config (conf/config.yaml with `data=teacher_samples` first, s
 and any other override work as for a run), generates every missing batch into the cache (a progress bar; a
 relaunch continues where it stopped), tokenizes and splits the set as a run would, then writes to `--publish`
 (default results/teacher_samples/): `generation.json` (the settings, the teacher, the split and what the
-generation cost in CPU- and wall seconds, per machine) and `sample.jsonl` (the first N samples, decoded).
+generation cost in CPU- and wall seconds, per machine), `sample.jsonl` (the first N samples, decoded) and
+`shards/<teacher>-<key>/` (the set itself, ~2 MB per 2,048 x 256 tokens; with --no-shards, not). Shards
+published in results/teacher_samples/shards/ are what a run on a fresh clone reads instead of generating.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from omegaconf import OmegaConf
 
 from ..confutil import CONF_DIR
 from ..data import prepare_data
-from ..data.teacher import generation_cost, shard_dir, teacher_documents
+from ..data.teacher import generation_cost, publish_shards, shard_dir, teacher_documents
 from ..models import load_tokenizer
 from .record import write_json_atomic
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--publish", type=Path, default=Path("results/teacher_samples"))
     parser.add_argument("--show", type=int, default=16, help="samples decoded into sample.jsonl")
+    parser.add_argument("--no-shards", action="store_true", help="publish the summary and sample, not the set")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.generation.count=4096")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         "split": {k: prepared.stats[k] for k in ("documents", "tokens", "rows")},
         "cost": generation_cost(data_cfg),
     }
+    if not args.no_shards:
+        summary["published_shards"] = str(publish_shards(data_cfg, args.publish / "shards"))
     write_json_atomic(args.publish / "generation.json", summary)
     cost = summary["cost"]
     print(f"[teacher_samples] {data_cfg['generation']['count']} samples, {cost['tokens']:,} tokens, "
