@@ -56,7 +56,7 @@ DATA_CFG = {"name": "sotu", "source": "asset", "id": "sotu", "seq_len": 512, "he
 CALIB = {"n": 32, "seq_len": 256, "batch_size": 8, "seed": 0}
 SELECT = {"n": 16, "seq_len": 512, "batch_size": 8, "seed": 1}
 HELD_OUT_ROWS, HELD_OUT_BATCH = 32, 8
-EXPECTED_ORIGINAL_PPL = 31.12
+EXPECTED_ORIGINAL_PPL = 31.12  # on the first 32 held-out rows (--rows first)
 T0 = time.time()
 
 
@@ -222,6 +222,9 @@ def main() -> None:
     ap.add_argument("--splits", default="32+40,32+88", help="comma list of qk_mqa_dim+kv_lora_rank")
     ap.add_argument("--freqfold", default="auto", help="their --freqfold: auto (their search) or an int")
     ap.add_argument("--skip-existing", action="store_true")
+    ap.add_argument("--rows", choices=("stratified", "first"), default="stratified",
+                    help="which 32 held-out rows: the runner's default sample over every held-out document "
+                         "(eval.perplexity.rows=stratified, row_seed 0) or the first 32 (records before it)")
     ap.add_argument("--original-ppl-from", type=Path, default=None,
                     help="take the original model's held-out ppl from a JSON this script wrote earlier (same model, "
                          "data and windows) instead of measuring it again; it must still equal 31.12")
@@ -274,7 +277,11 @@ def main() -> None:
                                 batch_size=CALIB["batch_size"], seed=CALIB["seed"])
     select = calibration_batches(prepared, n=SELECT["n"], seq_len=SELECT["seq_len"],
                                  batch_size=SELECT["batch_size"], seed=SELECT["seed"])
-    held = list(prepared.held_out[:HELD_OUT_ROWS].split(HELD_OUT_BATCH))
+    from mha2mla_exp.data.held_out import select_rows
+
+    documents = prepared.held_out_documents()
+    row_index = select_rows(documents, HELD_OUT_ROWS, args.rows, seed=0)
+    held = list(prepared.held_out[row_index].split(HELD_OUT_BATCH))
     assert sum(b.shape[0] for b in held) == HELD_OUT_ROWS and held[0].shape[1] == 512
     train_loader, select_loader = as_dicts(calib), as_dicts(select)
 
@@ -284,8 +291,8 @@ def main() -> None:
     original_source = "measured in this run"
     if args.original_ppl_from is not None:
         earlier = json.loads(args.original_ppl_from.read_text())
-        if (earlier.get("model"), earlier.get("data"), earlier.get("held_out", {}).get("rows")) != (
-                MODEL_CFG, DATA_CFG, HELD_OUT_ROWS):
+        if (earlier.get("model"), earlier.get("data"), earlier.get("held_out", {}).get("rows"),
+                earlier.get("held_out", {}).get("selection", "first")) != (MODEL_CFG, DATA_CFG, HELD_OUT_ROWS, args.rows):
             raise SystemExit(f"{args.original_ppl_from}: not the same model / data / held-out windows")
         original_ppl = earlier["original_ppl"]
         original_source = f"reused from {args.original_ppl_from.name} ({earlier.get('original_ppl_source', 'measured')})"
@@ -293,7 +300,7 @@ def main() -> None:
         original_ppl = perplexity(base, held)
     log(f"original held-out ppl {original_ppl:.4f} ({original_source}, {time.time() - t:.0f}s); "
         f"expected {EXPECTED_ORIGINAL_PPL}")
-    if EXPECTED_ORIGINAL_PPL is not None and abs(original_ppl - EXPECTED_ORIGINAL_PPL) > 0.01:
+    if args.rows == "first" and abs(original_ppl - EXPECTED_ORIGINAL_PPL) > 0.01:
         raise SystemExit(f"original held-out ppl {original_ppl:.4f} != {EXPECTED_ORIGINAL_PPL}: wrong data/model")
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +314,7 @@ def main() -> None:
             "qk_mqa_dim": qk, "kv_lora_rank": r, "total": qk + r, "original_cache": original_cache,
             "kv_reduction_pct": round(100 * (1 - (qk + r) / original_cache), 4),
             "model": MODEL_CFG, "data": DATA_CFG, "calibration": CALIB, "freqfold_selection_set": SELECT,
-            "held_out": {"rows": HELD_OUT_ROWS, "batch_size": HELD_OUT_BATCH, "seq_len": 512,
+            "held_out": {"rows": HELD_OUT_ROWS, "selection": args.rows, "batch_size": HELD_OUT_BATCH, "seq_len": 512,
                          "metric": "mha2mla_exp.evaluation.perplexity.perplexity"},
             "original_ppl": original_ppl, "original_ppl_source": original_source,
             "transmla": {"repo": "https://github.com/fxmeng/TransMLA", "commit": commit, "files_sha256": digests},
@@ -377,6 +384,7 @@ def main() -> None:
         record.update(status="ok", options=options, heldout_ppl=ppl, partial_rope_heldout_ppl=partial_ppl,
                       heldout_row_nll=[round(n / max(c, 1), 6) for n, c in rows],
                       heldout_row_tokens=[int(c) for _, c in rows],
+                      heldout_row_index=row_index.tolist(), heldout_row_document=documents[row_index].tolist(),
                       cache_check=check, seconds=round(seconds, 1),
                       seconds_parts={"partial_rope_incl_search": round(t_pr, 1), "low_rank_qkv": round(t_lq, 1)},
                       nll_ratio_vs_original=math.log(ppl) / math.log(original_ppl))

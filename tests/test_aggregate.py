@@ -160,6 +160,7 @@ def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=5
     mla = None if method != "mla" else {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": d_kv}
     return {
         "run_name": f"{method}-{tokens}-{seed}-{limit}", "experiment": "x", "status": status,
+        "setting_hash": f"{method}-{tokens}-{limit}-{d_kv}-{n}",   # the identity but the seed
         "model": {"name": "smollm2-135m"}, "variant": method if method != "mla" else "mla", "mla": mla,
         "kv_quant": None, "kv": {"mem_change_pct": {8: -87.5, 16: -81.25, 32: -68.75}[d_kv] if mla else 0.0,
                                  "dtype": "float32"},

@@ -6,7 +6,8 @@ since ARC is their mean; MMLU pools its subjects' docs, lm-eval's size-weighted 
 strata (lm-eval's leaf tasks: one per MMLU subject, one per other task).
 
 - `paired_bootstrap`: a row against its baseline on the *same* documents: resample docs with replacement
-  within each stratum, the same resample for both models, and take the percentile 95% interval of the
+  within each stratum (a column's single-doc strata, e.g. MMLU at one doc per subject, pooled into one: a
+  stratum of one doc never varies), the same resample for both models, and take the percentile 95% interval of the
   difference; the same resamples give every column's interval. Several seeds of one configuration
   enter as their per-document mean (the seeds are evaluated on the same docs).
 - `binomial`: a run without per-document results: each column's binomial standard error
@@ -118,13 +119,25 @@ def point_scores(values: pd.DataFrame, spec: ScoreSpec) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- bootstrap
+def _strata(diff: pd.Series):
+    """(column, docs' values) per stratum: each task of a column, its single-doc tasks pooled into one."""
+    singles: dict[str, list[np.ndarray]] = {}
+    for (column, _task), group in diff.groupby(level=["column", "task"], sort=True):
+        x = group.to_numpy(dtype=float)
+        if len(x) == 1:
+            singles.setdefault(column, []).append(x)
+        else:
+            yield column, x
+    for column, xs in singles.items():
+        yield column, np.concatenate(xs)
+
+
 def _bootstrap_column_means(diff: pd.Series, n_boot: int, seed: int) -> dict[str, np.ndarray]:
-    """Per column, `n_boot` resampled means of `diff` (docs resampled within each task)."""
+    """Per column, `n_boot` resampled means of `diff` (docs resampled within each stratum, `_strata`)."""
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
-    for (column, task), group in diff.groupby(level=["column", "task"], sort=True):
-        x = group.to_numpy(dtype=float)
+    for column, x in _strata(diff):
         n = len(x)
         draws = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)  # how often each doc is drawn
         sums[column] = sums.get(column, 0.0) + draws @ x

@@ -8,16 +8,22 @@ scored on the same held-out rows. For each such pair:
 
 - B/A: the ratio of their perplexities, exp of the difference of their mean per-token NLL (each row's NLL
   averaged over the seeds both rows have first);
-- its 95% interval: a paired percentile bootstrap over the held-out rows (the same resampled rows for A and B),
-  i.e. the uncertainty from which text was held out, not from training noise;
-- per seed, the ratio of the runs with that seed: training noise, which two seeds only sample;
-- verdict: "B lower" / "B higher" when the interval excludes 1 and every shared seed agrees in direction,
-  else "not resolved". Records without per-row NLLs (older runs) get the ratio and no verdict.
+- its 95% interval: a paired percentile bootstrap that resamples held-out documents (a document's rows stay
+  together, the same resampled documents for A and B), i.e. the uncertainty from which text was held out, not
+  from training noise. Rows of one speech are not independent; records that do not say which document each row
+  came from (none written before `eval.perplexity.rows`, unless scripts/backfill_row_documents.py added it)
+  fall back to resampling rows, and the table says which unit each interval resampled;
+- per document, the ratio on that document's rows; per seed, the ratio of the runs with that seed (training
+  noise, which two seeds only sample);
+- verdict: "B lower" / "B higher" when the interval excludes 1 and every shared seed and every document agree
+  in direction, else "not resolved". Records without per-row NLLs (older runs) get the ratio and no verdict.
+Two rows are paired only when they scored the same held-out rows (the same row indices when both say).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -32,7 +38,8 @@ FACTORS = {
     "RoPE": ("method", "rope", "r"),
     "SVD": ("svd", "d_kv"),
     "options": ("options",),
-    "recipe": ("objective", "trainable", "lr", "distill_token_passes"),
+    "recipe": ("objective", "trainable", "lr", "warmup", "distill_token_passes"),
+    "precision": ("precision",),
     "budget": ("train_tokens",),
 }
 ROW = CONFIG_KEYS + BUDGET_KEYS   # a row: the table rows' keys without the eval sample (perplexity has its own)
@@ -84,25 +91,74 @@ def _options(row: dict) -> dict[str, str]:
     return options_from_label(_text(row.get("options")))
 
 
-def _row_nll(runs: list[dict]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per held-out row, the NLL averaged over the runs (seeds) and the row's tokens; None without rows."""
-    nll = [r.get("heldout_row_nll") for r in runs]
-    tokens = [r.get("heldout_row_tokens") for r in runs]
-    if any(not isinstance(x, list) or not x for x in nll + tokens) or len({tuple(t) for t in tokens}) != 1:
+@dataclass(frozen=True)
+class HeldOutRows:
+    """Per held-out row: NLL (nats/token, averaged over seeds), tokens, and the row's document when known."""
+
+    nll: np.ndarray
+    tokens: np.ndarray
+    documents: np.ndarray | None = None
+    index: tuple | None = None          # the rows' indices in the held-out split, when the record kept them
+
+    def same_rows(self, other: "HeldOutRows") -> bool:
+        if len(self.nll) != len(other.nll) or not np.array_equal(self.tokens, other.tokens):
+            return False
+        if self.index is not None and other.index is not None:
+            return self.index == other.index
+        return self.index is None and other.index is None   # one sampled, one the first rows: not the same
+
+
+def held_out_rows(nll, tokens, documents=None, index=None) -> HeldOutRows | None:
+    """One record's rows (lists as the record keeps them), or None when it kept none."""
+    if not isinstance(nll, list) or not isinstance(tokens, list) or not nll or len(nll) != len(tokens):
         return None
-    return np.mean(np.array(nll, dtype=float), axis=0), np.array(tokens[0], dtype=float)
+    documents = np.asarray(documents) if isinstance(documents, list) and len(documents) == len(nll) else None
+    return HeldOutRows(np.asarray(nll, dtype=float), np.asarray(tokens, dtype=float), documents,
+                       tuple(index) if isinstance(index, list) else None)
 
 
-def ratio_interval(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], *,
-                   n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95):
-    """B/A perplexity and its paired bootstrap interval over the same held-out rows."""
-    (nll_a, tokens), (nll_b, _) = a, b
-    diff = (nll_b - nll_a) * tokens   # per row, summed NLL difference
-    estimate = float(np.exp(diff.sum() / tokens.sum()))
-    idx = np.random.default_rng(seed).integers(0, len(diff), size=(n_boot, len(diff)))
-    boot = np.exp(diff[idx].sum(1) / tokens[idx].sum(1))
+def _row_nll(runs: list[dict]) -> HeldOutRows | None:
+    """The rows of the runs (seeds) of one configuration, NLL averaged; None unless all kept the same rows."""
+    each = [held_out_rows(r.get("heldout_row_nll"), r.get("heldout_row_tokens"), r.get("heldout_row_document"),
+                          r.get("heldout_row_index")) for r in runs]
+    if any(x is None for x in each) or not all(each[0].same_rows(x) for x in each[1:]):
+        return None
+    return HeldOutRows(np.mean([x.nll for x in each], axis=0), each[0].tokens, each[0].documents, each[0].index)
+
+
+def ratio_interval(a: HeldOutRows, b: HeldOutRows, *, n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
+                   level: float = 0.95) -> tuple[float, float, float]:
+    """B/A perplexity and its paired percentile bootstrap interval over the same held-out rows, resampling
+    documents (their rows together) when `a` knows each row's document, else rows."""
+    diff = (b.nll - a.nll) * a.tokens   # per row, summed NLL difference
+    estimate = float(np.exp(diff.sum() / a.tokens.sum()))
+    groups = a.documents if a.documents is not None else np.arange(len(diff))
+    keys, inverse = np.unique(groups, return_inverse=True)
+    diff_g, tokens_g = np.bincount(inverse, diff), np.bincount(inverse, a.tokens)
+    idx = np.random.default_rng(seed).integers(0, len(keys), size=(n_boot, len(keys)))
+    boot = np.exp(diff_g[idx].sum(1) / tokens_g[idx].sum(1))
     tail = 100 * (1 - level) / 2
     return estimate, float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+
+
+def resampling_unit(rows: HeldOutRows) -> str:
+    n = len(np.unique(rows.documents)) if rows.documents is not None else len(rows.nll)
+    return f"{n} documents" if rows.documents is not None else f"{n} rows (documents unknown)"
+
+
+def per_document_ratios(a: HeldOutRows, b: HeldOutRows) -> tuple[float, ...]:
+    """B/A on each document's rows (in the order documents first appear); empty when documents are unknown."""
+    if a.documents is None:
+        return ()
+    out = []
+    for doc in dict.fromkeys(a.documents.tolist()):
+        rows = a.documents == doc
+        out.append(float(np.exp(((b.nll - a.nll) * a.tokens)[rows].sum() / a.tokens[rows].sum())))
+    return tuple(out)
+
+
+def _one_direction(ratios) -> bool:
+    return all(x < 1 for x in ratios) or all(x > 1 for x in ratios)
 
 
 def _ppl(runs: list[dict]) -> float:
@@ -126,13 +182,13 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
         per_seed = [by_seed_b[s]["heldout_ppl"] / by_seed_a[s]["heldout_ppl"] for s in shared]
         if shared:   # the same data orders on both sides: a seed only one row has is left out of the ratio
             a, b = [by_seed_a[s] for s in shared], [by_seed_b[s] for s in shared]
-        nll_a, nll_b = _row_nll(a), _row_nll(b)
-        comparable = nll_a is not None and nll_b is not None and len(nll_a[0]) == len(nll_b[0]) \
-            and np.array_equal(nll_a[1], nll_b[1])
-        estimate, low, high = ratio_interval(nll_a, nll_b) if comparable else (_ppl(b) / _ppl(a), np.nan, np.nan)
-        agree = len(per_seed) > 0 and (all(x < 1 for x in per_seed) or all(x > 1 for x in per_seed))
+        rows_a, rows_b = _row_nll(a), _row_nll(b)
+        comparable = rows_a is not None and rows_b is not None and rows_a.same_rows(rows_b)
+        estimate, low, high = ratio_interval(rows_a, rows_b) if comparable else (_ppl(b) / _ppl(a), np.nan, np.nan)
+        per_document = per_document_ratios(rows_a, rows_b) if comparable else ()
+        agree = len(per_seed) > 0 and _one_direction(per_seed) and (not per_document or _one_direction(per_document))
         if not comparable:
-            verdict = "no interval (no per-row NLL)"
+            verdict = "no interval (no per-row NLL of the same rows)"
         elif (high < 1 or low > 1) and agree:
             verdict = "B lower" if estimate < 1 else "B higher"
         else:
@@ -141,8 +197,9 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
             "factor": factor, "A": _label(a[0]), "B": _label(b[0]),
             "seeds": ",".join(shared) or f"A {len(a)}, B {len(b)} (none shared)",
             "ppl A": _ppl(a), "ppl B": _ppl(b), "B/A": estimate, "B/A low": low, "B/A high": high,
-            "B/A per seed": tuple(per_seed),
-            "held-out rows": len(nll_a[0]) if comparable else None,
+            "B/A per seed": tuple(per_seed), "B/A per document": per_document,
+            "held-out rows": len(rows_a.nll) if comparable else None,
+            "resampled": resampling_unit(rows_a) if comparable else "",
             "verdict": verdict,
         })
     return pd.DataFrame.from_records(records)

@@ -31,10 +31,12 @@ METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope
 # and tells which of our runs follow the paper's default recipe when a run's config does not say.
 PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
 
-# A table row is a (configuration, budget, evaluation sample) triple: runs that agree on all of these and
-# differ only in their seed are one row (mean and spread over seeds); anything else is a row of its own.
+# A table row is a (configuration, budget, evaluation sample) triple, named by these keys. Runs of one row are
+# the seeds of one setting (`setting`: the run identity but its seed, runner/identity.setting_identity), so two
+# runs that differ in anything that changes numbers are two rows even where these names coincide.
 CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "kv_elements", "rope_dims", "options",
-               "distill_token_passes", "kv_quant", "kv_grouping", "data", "train_data", "objective", "trainable", "lr")
+               "distill_token_passes", "kv_quant", "kv_grouping", "data", "train_data", "objective", "trainable", "lr",
+               "warmup", "precision")
 BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
@@ -43,7 +45,7 @@ UNQUANTIZED = "unquantized"
 DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform", "nope_keys": "plain"}
 # the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
 # a run that changes one is labelled with it
-DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4}
+DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4, "precision": "bf16-autocast"}
 
 
 def flatten(value, prefix: str = "") -> dict:
@@ -278,6 +280,8 @@ def canonical_run(record: dict) -> dict:
         "train_data_heldout_ppl": _get(record, f"eval.perplexity.heldout:{_get(record, 'train_data.name')}"),
         "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),       # per held-out row (perplexity_pairs)
         "heldout_row_tokens": _get(record, "eval.perplexity.row_tokens"),
+        "heldout_row_document": _get(record, "eval.perplexity.row_document"),  # the bootstrap's unit
+        "heldout_row_index": _get(record, "eval.perplexity.row_index"),
         "distill_token_passes": _as_int(_get(record, "distill.token_passes")),
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),
@@ -288,7 +292,10 @@ def canonical_run(record: dict) -> dict:
         "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
         if train_tokens else None,
         "lr": _as_float(_get(record, "config.train.lr")) if train_tokens else None,
+        "warmup": _as_int(_get(record, "config.train.warmup_steps")) if train_tokens else None,
         "precision": _get(record, "train.precision.mode"),
+        # the run identity but its seed; a record the current code cannot re-plan stands alone (runner/backfill)
+        "setting": _get(record, "setting_hash", default=f"run:{record.get('run_dir')}"),
         "train_tokens_per_s": _get(record, "train.tokens_per_s"),
     }
     for task in COMMONSENSE:
@@ -333,6 +340,8 @@ def recipe_label(row) -> str | None:
         parts.append("attention only")
     if _lr_note(row.get("lr")):
         parts.append(_lr_note(row.get("lr")))
+    if isinstance(row.get("precision"), str) and row["precision"] != DEFAULT_RECIPE["precision"]:
+        parts.append(row["precision"])
     return ", ".join(parts) or None
 
 
@@ -384,7 +393,7 @@ def canonical_runs(flat: pd.DataFrame) -> pd.DataFrame:
     """The canonical frame of a flat frame, one row per run, in the same order."""
     rows = [canonical_run({k: v for k, v in rec.items()}) for rec in flat.to_dict("records")]
     frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=list(canonical_run({}).keys()))
-    for column in ("r", "d_kv", "train_tokens", "head_dim", "distill_token_passes", "seed"):
+    for column in ("r", "d_kv", "train_tokens", "head_dim", "distill_token_passes", "seed", "warmup"):
         frame[column] = pd.array(frame[column], dtype="Int64")
     return frame
 

@@ -133,11 +133,12 @@ def _key(row: dict, columns) -> tuple:
 
 
 def seeds_once(records: list[dict], columns) -> dict[tuple, list[dict]]:
-    """Records grouped by their values in `columns`, each seed once: the first record of a seed, in the given
-    order, stands for it (the same run again, e.g. with a probe, is one measurement, not two)."""
+    """Records grouped by their values in `columns` and their setting (the run identity but the seed), each seed
+    once: runs of one setting and seed are one measurement (the same run again in another experiment), the first
+    in the given order stands for it. The key is the `columns` values, then the setting."""
     groups: dict[tuple, list[dict]] = {}
     for record in records:
-        group = groups.setdefault(_key(record, columns), [])
+        group = groups.setdefault(_key(record, tuple(columns) + ("setting",)), [])
         if _text(record.get("seed")) not in {_text(r.get("seed")) for r in group}:
             group.append(record)
     return groups
@@ -239,7 +240,7 @@ def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
     original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None, "distill_token_passes": None,
                 "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0,
-                "objective": None, "trainable": None, "lr": None}
+                "objective": None, "trainable": None, "lr": None, "warmup": None, "precision": None}
     if spec.by_precision:
         if key["method"] == "original" and key["kv_quant"] == UNQUANTIZED:
             return None
@@ -249,7 +250,7 @@ def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     if key["method"] == "finetuned_full_attention" or not key["train_tokens"]:
         return key | original
     # the full-attention fine-tune of the same budget and recovery recipe
-    recipe = {k: key.get(k) for k in ("objective", "trainable", "lr")}
+    recipe = {k: key.get(k) for k in ("objective", "trainable", "lr", "warmup", "precision")}
     return key | original | recipe | {"method": "finetuned_full_attention", "train_tokens": key["train_tokens"]}
 
 
@@ -334,7 +335,9 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     ours = ours[spec.select(ours)] if len(ours) else ours
     score_spec = _score_spec(spec, runs if len(runs) else pd.DataFrame())
     rows = rows_of_ours(spec, ours) if len(ours) else []
-    by_key = {_key(r.key, ROW_KEYS): r for r in rows}
+    by_key: dict[tuple, list[Row]] = {}
+    for r in rows:
+        by_key.setdefault(_key(r.key, ROW_KEYS), []).append(r)
 
     paper = paper[spec.select(paper)].copy() if len(paper) else paper
     paper["avg_delta_paper"] = _paper_deltas(paper, all_paper, spec)
@@ -345,14 +348,16 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     records, matched = [], set()
     for row in rows:
         base_key = _baseline_key(row.key, spec)
-        base = None if base_key is None else by_key.get(_key(base_key, ROW_KEYS))
+        bases = [] if base_key is None else by_key.get(_key(base_key, ROW_KEYS), [])
+        base = bases[0] if len(bases) == 1 else None   # two settings under one name: no baseline is chosen
         diff = delta(row, base) if base is not None else {}
         pkey = _paper_key(row.key)
         matched.add(pkey)
         record = _identity(row.key, row.runs[0]) | _paper_cells(paper_by_key.get(pkey), spec)
         record |= row_cells(row, diff, spec.score, _task_columns(spec, score_spec))
         record |= {"vs": None if base_key is None else _describe_baseline(base_key),
-                   "verdict": _verdict(row, base_key, base, diff),
+                   "verdict": _verdict(row, base_key, base, diff) if len(bases) < 2 else "no baseline: 2 settings",
+                   "setting": row.runs[0].get("setting"),
                    "kv_mem_change_pct": row.runs[0].get("kv_mem_change_pct")}
         record |= {column: row.scores.get(column) for column in spec.extras.values()}
         records.append(record)
@@ -413,7 +418,7 @@ def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
 
 def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame) -> list[str]:
     columns = ["model", "ours_model", "experiment", "method", "rope", "r", "svd", "d_kv", "options",
-               "distill_token_passes", "objective", "trainable", "lr"]
+               "distill_token_passes", "objective", "trainable", "lr", "warmup", "precision"]
     if spec.by_precision:
         columns += ["kv_quant", "kv_grouping", "kv_dtype", "kv_bytes_per_token"]
     columns += ["data", "train_tokens", "eval_sample", "eval_docs", "eval_dtype", "n_seeds", "seeds", "per_doc",
@@ -424,7 +429,7 @@ def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame)
     columns += list(spec.extras.values())
     for task in _task_columns(spec, score_spec):
         columns += [task, f"{task}_delta", f"{task}_delta_low", f"{task}_delta_high"]
-    columns += [f"{task}_paper" for task in spec.paper_tasks]
+    columns += [f"{task}_paper" for task in spec.paper_tasks] + ["setting"]
     for column in columns:
         if column not in table:
             table[column] = None

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from .perplexity_pairs import ratio_interval
+from .perplexity_pairs import held_out_rows, per_document_ratios, ratio_interval, resampling_unit
 
 ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot", "budget_zero_shot")
 
@@ -64,14 +63,9 @@ def reference_conversions(folder: Path) -> pd.DataFrame:
                         "held-out ppl": r["heldout_ppl"], "_original_cache": int(r["original_cache"]),
                         "options": f"freqfold {options.get('freqfold_chosen', options.get('freqfold'))}, "
                                    f"commit {r['transmla']['commit'][:8]}",
-                        "_row_nll": r.get("heldout_row_nll"), "_row_tokens": r.get("heldout_row_tokens")})
+                        "_rows": held_out_rows(r.get("heldout_row_nll"), r.get("heldout_row_tokens"),
+                                               r.get("heldout_row_document"), r.get("heldout_row_index"))})
     return pd.DataFrame.from_records(records)
-
-
-def _rows(nll, tokens) -> tuple[np.ndarray, np.ndarray] | None:
-    if not isinstance(nll, list) or not isinstance(tokens, list) or len(nll) != len(tokens) or not nll:
-        return None
-    return np.asarray(nll, dtype=float), np.asarray(tokens, dtype=float)
 
 
 def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
@@ -79,7 +73,8 @@ def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFra
     conversion of ours with a joint latent (a fixed r/d_kv or a KV budget) at a total the reference measured.
     Our elements per token and layer are the measured cache ratio times the original's cache. Where both sides
     kept per-row NLLs of the same held-out rows, "ours / reference" is the perplexity ratio with its paired
-    bootstrap 95 % interval over those rows, and resolved only when the interval excludes 1."""
+    bootstrap 95 % interval (documents resampled when the rows' documents are known), and resolved only when
+    the interval excludes 1 and every document agrees in direction."""
     if not len(reference):
         return pd.DataFrame()
     full = int(reference["_original_cache"].iloc[0])
@@ -99,17 +94,23 @@ def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFra
             converter, rope_dims = f"ours: {run['rope']} r={int(run['r'])}", str(2 * n_kv * int(run["r"]))
             latent = str(n_kv * int(run["d_kv"]))
         ref = by_elements[elements]
-        ours_rows, ref_rows = _rows(run.get("heldout_row_nll"), run.get("heldout_row_tokens")), \
-            _rows(ref["_row_nll"], ref["_row_tokens"])
-        vs, verdict = "", "no interval (no per-row NLL)"
-        if ours_rows is not None and ref_rows is not None and np.array_equal(ours_rows[1], ref_rows[1]):
+        ours_rows = held_out_rows(run.get("heldout_row_nll"), run.get("heldout_row_tokens"),
+                                  run.get("heldout_row_document"), run.get("heldout_row_index"))
+        ref_rows = ref["_rows"]
+        vs, per_document, unit, verdict = "", "", "", "no interval (no per-row NLL of the same rows)"
+        if ours_rows is not None and ref_rows is not None and ref_rows.same_rows(ours_rows):
             ratio, low, high = ratio_interval(ref_rows, ours_rows)
-            vs = f"{ratio:.3f} [{low:.3f}, {high:.3f}]"
-            verdict = "ours lower" if high < 1 else "ours higher" if low > 1 else "not resolved"
+            by_document = per_document_ratios(ref_rows, ours_rows)
+            vs, unit = f"{ratio:.3f} [{low:.3f}, {high:.3f}]", resampling_unit(ref_rows)
+            per_document = " / ".join(f"{x:.3f}" for x in by_document)
+            one_way = all(x < 1 for x in by_document) or all(x > 1 for x in by_document)
+            verdict = "ours lower" if high < 1 and one_way else "ours higher" if low > 1 and one_way \
+                else "not resolved"
         records.append({"KV elements": elements, "converter": converter, "rope dims": rope_dims, "latent": latent,
                         "held-out ppl": run["heldout_ppl"], "options": run.get("options") or "",
-                        "ours / TransMLA [95 %]": vs, "verdict": verdict})
-    table = pd.concat([reference.drop(columns=["_original_cache", "_row_nll", "_row_tokens"]),
+                        "ours / TransMLA [95 %]": vs, "per document": per_document, "resampled": unit,
+                        "verdict": verdict})
+    table = pd.concat([reference.drop(columns=["_original_cache", "_rows"]),
                        pd.DataFrame.from_records(records)], ignore_index=True)
     table["held-out ppl"] = table["held-out ppl"].astype(float).round(1)
     return table.sort_values(["KV elements", "held-out ppl"]).reset_index(drop=True).fillna("")

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .held_out import row_documents
 from .packing import concat_documents, is_held_out, pack
 from .rows import FiniteRows, rechunk
 from .stream import TrainStream, read_held_out
@@ -53,6 +54,11 @@ class PreparedData:
     train_tail: torch.Tensor
     held_out_tail: torch.Tensor
     stats: dict = field(default_factory=dict)
+    held_out_doc_lengths: torch.Tensor | None = None   # per held-out document, in stream order, separator included
+
+    def held_out_documents(self, seq_len: int | None = None) -> torch.Tensor | None:
+        """Each held-out row's document (rows of `seq_len`, default the packing length; data/held_out.py)."""
+        return _row_documents(self.held_out_doc_lengths, self.stream("held_out"), seq_len or self.seq_len)
 
     def training_rows(self, seq_len: int, seed: int) -> FiniteRows:
         """The train split as rows of the fine-tune's length, read epoch by epoch in a seeded order."""
@@ -191,6 +197,11 @@ class StreamedData:
     tokenizer: Any
     held_out_digests: set
     stats: dict = field(default_factory=dict)
+    held_out_doc_lengths: torch.Tensor | None = None
+
+    def held_out_documents(self, seq_len: int | None = None) -> torch.Tensor | None:
+        stream = torch.cat([self.held_out.reshape(-1), self.held_out_tail])
+        return _row_documents(self.held_out_doc_lengths, stream, seq_len or self.seq_len)
 
     def training_rows(self, seq_len: int, seed: int) -> TrainStream:
         """The stream after the held-out documents, packed into rows of `seq_len` (its order is the mixture's
@@ -202,10 +213,16 @@ class StreamedData:
         return self.training_rows(seq_len, seed).next_rows(n)
 
 
+def _row_documents(doc_lengths: torch.Tensor | None, stream: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+    if doc_lengths is None:
+        return None
+    return row_documents(doc_lengths, seq_len, stream.numel() // seq_len)
+
+
 def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
     name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
     separator = resolve_separator(cfg, tokenizer)
-    stream, digests, n_docs = read_held_out(cfg, tokenizer, separator)
+    stream, digests, n_docs, doc_lengths = read_held_out(cfg, tokenizer, separator)
     packed = pack(stream, seq_len)
     if packed.rows.shape[0] == 0:
         raise ValueError(f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
@@ -215,7 +232,8 @@ def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
              "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"]}
     log.info("data %r (streamed): %d held-out documents, %d rows", name, n_docs, packed.rows.shape[0])
     return StreamedData(name=name, seq_len=seq_len, separator_id=separator, held_out=packed.rows,
-                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests, stats=stats)
+                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests, stats=stats,
+                        held_out_doc_lengths=doc_lengths)
 
 
 def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData | StreamedData:
@@ -264,6 +282,7 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
         name=name, seq_len=seq_len, separator_id=separator,
         train=packed["train"].rows, held_out=packed["held_out"].rows,
         train_tail=packed["train"].tail, held_out_tail=packed["held_out"].tail, stats=stats,
+        held_out_doc_lengths=tensors["held_out_doc_lengths"],
     )
 
 

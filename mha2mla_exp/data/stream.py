@@ -38,10 +38,11 @@ def _documents(dataset) -> Iterator[str]:
             yield example["text"]
 
 
-def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, set[bytes], int]:
-    """The first `held_out_documents` documents as one token stream; their digests; the count read."""
+def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor]:
+    """The first `held_out_documents` documents as one token stream; their digests; the count read; each
+    document's length in the stream (its separator included)."""
     wanted = int(cfg["held_out_documents"])
-    texts, stream = [], []
+    texts, stream, lengths = [], [], []
     for text in _documents(hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))):
         texts.append(text)
         if len(texts) == wanted:
@@ -50,7 +51,9 @@ def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, s
         for ids in tokenizer(texts[start:start + _CHUNK], add_special_tokens=False, verbose=False)["input_ids"]:
             stream.extend(ids)
             stream.append(separator)
-    return torch.tensor(stream, dtype=torch.long), {text_digest(t) for t in texts}, len(texts)
+            lengths.append(len(ids) + 1)
+    return (torch.tensor(stream, dtype=torch.long), {text_digest(t) for t in texts}, len(texts),
+            torch.tensor(lengths, dtype=torch.long))
 
 
 class TrainStream:

@@ -16,12 +16,14 @@ log-softmax runs in fp32 either way. The record's `meta.dtype` and `meta.perplex
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Mapping
 
 import torch
 
+from ..data.held_out import ROW_SELECTIONS, select_rows
 from ..models import DTYPES
 from .commonsense import CommonsenseConfig
 from .kv import CacheMeter, KVQuant, kv_record
@@ -33,7 +35,7 @@ from .samples import summary, write_samples
 log = logging.getLogger(__name__)
 
 SECTIONS = {"commonsense": CommonsenseConfig, "long_context": LongContextConfig, "longbench": LongBenchConfig}
-PERPLEXITY_KEYS = {"enabled", "batch_size", "max_batches"}
+PERPLEXITY_KEYS = {"enabled", "batch_size", "max_batches", "rows", "row_seed"}
 TOP_KEYS = {"name", "dtype", "perplexity", *SECTIONS}
 
 
@@ -68,9 +70,12 @@ def parse_eval_config(eval_cfg: Mapping | None) -> dict:
     dtype = eval_cfg.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"eval.dtype: unknown {dtype!r}; expected null (the model's own) or one of {sorted(DTYPES)}")
+    rows = ppl.get("rows", "stratified")
+    if rows not in ROW_SELECTIONS:
+        raise ValueError(f"eval.perplexity.rows: unknown {rows!r}; expected one of {', '.join(ROW_SELECTIONS)}")
     out = {"dtype": DTYPES.get(dtype),
            "perplexity": {"enabled": bool(ppl.get("enabled", True)), "batch_size": int(ppl.get("batch_size", 8)),
-                          "max_batches": ppl.get("max_batches")}}
+                          "max_batches": ppl.get("max_batches"), "rows": rows, "row_seed": int(ppl.get("row_seed", 0))}}
     for name in SECTIONS:
         enabled, cfg = _section(name, eval_cfg.get(name))
         out[name] = cfg if enabled else None
@@ -94,15 +99,33 @@ def held_out_batches(held_out, batch_size: int):
     return held_out
 
 
+def held_out_sample(rows, documents, p: Mapping) -> tuple[object, dict]:
+    """The held-out rows a perplexity scores under eval.perplexity `p`, and what the record says of them.
+
+    With each row's document known, the cap (max_batches x batch_size rows) is a sample chosen by `p["rows"]`
+    (data/held_out.py) and the record keeps each scored row's index and document; without (an iterable of
+    batches), the first max_batches batches, as before."""
+    if documents is None or not isinstance(rows, torch.Tensor):
+        return itertools.islice(held_out_batches(rows, p["batch_size"]), p["max_batches"]), {}
+    cap = None if p["max_batches"] is None else int(p["max_batches"]) * p["batch_size"]
+    index = select_rows(documents, cap, p["rows"], p["row_seed"])
+    info = {"row_selection": p["rows"] if cap is not None and cap < len(documents) else "all",
+            "row_index": index.tolist(), "row_document": documents[index].tolist(),
+            "documents": int(documents.unique().numel())}
+    return held_out_batches(rows[index], p["batch_size"]), info
+
+
 def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None, kv_quant=None,
-                   window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None) -> dict:
+                   window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None,
+                   held_out_documents: torch.Tensor | None = None) -> dict:
     """Evaluate an in-memory causal LM (original or MLA); returns the run record's `eval` block.
 
-    held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity.
+    held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity; held_out_documents:
+    each row's document (data/held_out.py), which makes a capped perplexity a stratified sample of documents.
     kv_quant: None or {backend, nbits, residual_length, q_group_size}: the cache of generation tasks.
     window: the evaluation window (the fine-tuning length); None: the model's context length.
     samples_path: where the per-document results go (gzipped JSON lines); None: not written.
-    extra_held_out: {name: rows} scored like `held_out`, as `perplexity["heldout:<name>"]` (+ its row NLLs).
+    extra_held_out: {name: rows or (rows, documents)} scored like `held_out`, as `perplexity["heldout:<name>"]`.
     eval_cfg's `dtype` casts the model in place (see the module docstring).
     """
     from .lm import EvalLM
@@ -132,14 +155,18 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
             out["perplexity"]["heldout"] = None
         else:
             out["meta"]["perplexity_dtype"] = _dtype_name(model.dtype)
-            sets = {"": held_out} | {f":{name}": extra for name, extra in (extra_held_out or {}).items()}
-            for suffix, token_rows in sets.items():
+            sets = {"": (held_out, held_out_documents)} | {
+                f":{name}": extra if isinstance(extra, tuple) else (extra, None)
+                for name, extra in (extra_held_out or {}).items()}
+            for suffix, (token_rows, documents) in sets.items():
                 rows_nll = []
-                out["perplexity"][f"heldout{suffix}"] = perplexity(
-                    model, held_out_batches(token_rows, p["batch_size"]), max_batches=p["max_batches"], rows=rows_nll)
-                # per held-out row: mean NLL (nats/token) and its tokens, for paired intervals over the same rows
+                batches, picked = held_out_sample(token_rows, documents, p)
+                out["perplexity"][f"heldout{suffix}"] = perplexity(model, batches, rows=rows_nll)
+                # per held-out row: mean NLL (nats/token), its tokens and (when known) its document, for paired
+                # intervals over the same rows that resample documents
                 out["perplexity"][f"row_nll{suffix}"] = [round(nll / max(n, 1), 6) for nll, n in rows_nll]
                 out["perplexity"][f"row_tokens{suffix}"] = [int(n) for _, n in rows_nll]
+                out["perplexity"].update({f"{k}{suffix}": v for k, v in picked.items()})
         timings["perplexity"] = round(time.perf_counter() - t, 2)
     if cfg["commonsense"] is not None:
         from .commonsense import evaluate_commonsense

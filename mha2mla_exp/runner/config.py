@@ -16,7 +16,7 @@ from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
 from ..train.precision import Precision, precision_for
-from .identity import digest, evaluation_identity, trained_identity
+from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 
@@ -45,6 +45,7 @@ class RunPlan:
     trained_hash: str            # the trained (or converted) model's identity
     conversion_hash: str | None  # the untrained conversion's identity: recipes trained from it share it
     eval_hash: str               # this evaluation's identity
+    setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
 
     @property
@@ -64,9 +65,11 @@ class RunPlan:
         return digest({"trained": self.trained_hash, "eval": self.eval_hash})
 
 
-def validate(cfg: DictConfig) -> RunPlan:
+def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
     """Check the composed config against the model's recorded shape facts; raise ConfigError naming
-    the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable."""
+    the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable.
+    `auto_precision`: the mode `train.precision=auto` chose when the run was recorded (re-planning an old run
+    without probing this machine)."""
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
     _check_source("model", check_model_config, cfg.model)
@@ -131,7 +134,8 @@ def validate(cfg: DictConfig) -> RunPlan:
         _check_train(cfg)
         try:
             objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
-            precision = precision_for(cfg.train.precision, device_type, hidden_size=shape.hidden_size,
+            mode = auto_precision if cfg.train.precision == "auto" and auto_precision else cfg.train.precision
+            precision = precision_for(mode, device_type, hidden_size=shape.hidden_size,
                                       intermediate_size=int(cfg.model.get("intermediate_size") or 4 * shape.hidden_size))
         except ValueError as err:
             raise ConfigError(str(err)) from err
@@ -151,11 +155,12 @@ def validate(cfg: DictConfig) -> RunPlan:
                                calibrates=calibrates)
     conversion = trained_identity(cfg, runtime=runtime, converts=True, trains=False, distills=False,
                                   calibrates=calibrates, starts_training=fine_tune or distill) if spec is not None else None
+    evaluation = evaluation_identity(cfg, eval_dtype=eval_dtype)
     return RunPlan(
         variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
         device_type=device_type, precision=precision, eval_dtype=eval_dtype, trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
-        eval_hash=digest(evaluation_identity(cfg, eval_dtype=eval_dtype)), notes=tuple(notes),
+        eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
     )
 
 

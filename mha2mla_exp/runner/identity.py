@@ -7,6 +7,8 @@ it, and the observers that change no number.
   identity and reused by every evaluation of it: a new or failed evaluation never retrains.
 - An evaluation: the eval suites, the KV-cache quantization, the cache measurement, the evaluation dtype.
 - Observers (`OBSERVERS`): logging, checkpoint cadence, probes, permissions. They are in neither hash.
+- A setting (`setting_identity`): both of the above but the seed. Runs of one setting are repeats of one
+  measurement (a table's row, its spread over seeds); runs of two settings never share a row.
 
 Blocks that cannot matter are left out (the conversion of an unconverted model, a disabled distillation, the
 fine-tune of the original model), so that a change there does not split identical runs.
@@ -68,6 +70,12 @@ def evaluation_identity(cfg: DictConfig, *, eval_dtype: str) -> dict:
     identity["eval_dtype"] = eval_dtype
     _drop_observers(identity)
     return identity
+
+
+def setting_identity(trained: dict, evaluation: dict) -> dict:
+    """What makes two runs the same measurement up to their seed: the trained identity without its seed, and the
+    evaluation's identity."""
+    return {"trained": {k: v for k, v in trained.items() if k != "seed"}, "eval": evaluation}
 
 
 def digest(*parts: dict) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -90,19 +89,12 @@ def headline(record: dict) -> str:
 
 
 def commonsense_avg_se(eval_block: dict) -> float | None:
-    """Binomial standard error of the six-column Avg (ARC = mean of Easy and Challenge), docs independent."""
-    cs, meta = eval_block.get("commonsense") or {}, (eval_block.get("meta") or {}).get("commonsense") or {}
-    n_docs = meta.get("n_docs") or {}
+    """Binomial standard error of the Avg from a record's eval block (aggregate/paired.binomial_se)."""
+    from ..aggregate.paired import binomial_se, commonsense_spec
 
-    def var(task):
-        p, n = cs.get(task), n_docs.get(task)
-        return None if p is None or not n else p * (1 - p) / n
-
-    parts = {t: var(t) for t in ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")}
-    if any(v is None for v in parts.values()):
-        return None
-    arc = (parts.pop("arc_easy") + parts.pop("arc_challenge")) / 4
-    return math.sqrt(sum(parts.values()) + arc) / 6
+    scores = (eval_block.get("commonsense") or {})
+    n_docs = ((eval_block.get("meta") or {}).get("commonsense") or {}).get("n_docs") or {}
+    return binomial_se(scores, n_docs, commonsense_spec()).get("avg")
 
 
 def _jsonable(obj):

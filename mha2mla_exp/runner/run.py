@@ -81,6 +81,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         "config_hash": plan.run_hash,
         "trained_hash": plan.trained_hash,
         "eval_hash": plan.eval_hash,
+        "setting_hash": plan.setting_hash,
         "model": {"name": cfg.model.name, "paper_name": cfg.model.get("paper_name"),
                   "pretrain_tokens": cfg.model.get("pretrain_tokens")},
         "variant": plan.table_variant,

@@ -119,14 +119,17 @@ def distill(cfg: DictConfig, teacher, student, data) -> dict:
 
 
 def heldout_probe(cfg: DictConfig, data):
-    """The in-training recovery probe: held-out perplexity on the first `train.eval_batches` batches of the
-    held-out rows (the same rows for every run), before the first step, every `train.eval_every` steps
-    (0: none in between) and after the last."""
+    """The in-training recovery probe: held-out perplexity on `train.eval_batches` batches of held-out rows,
+    chosen as the final evaluation chooses its rows (`eval.perplexity.rows`, data/held_out.py; the same rows for
+    every run), before the first step, every `train.eval_every` steps (0: none in between) and after the last."""
     from ..evaluation.perplexity import perplexity
-    from ..evaluation.run import held_out_batches
+    from ..evaluation.run import held_out_sample
 
-    batch_size = int(cfg.eval.get("perplexity", {}).get("batch_size", 8))
-    batches = held_out_batches(data.held_out, batch_size)[: int(cfg.train.get("eval_batches", 2))]
+    p = cfg.eval.get("perplexity", {})
+    probe = {"batch_size": int(p.get("batch_size", 8)), "max_batches": int(cfg.train.get("eval_batches", 2)),
+             "rows": p.get("rows", "stratified"), "row_seed": int(p.get("row_seed", 0))}
+    batches, _ = held_out_sample(data.held_out, data.held_out_documents(), probe)
+    batches = list(batches)
     return lambda model: {"heldout_ppl_probe": perplexity(model, batches)}
 
 
@@ -153,9 +156,10 @@ def measure_kv(cfg: DictConfig, plan: RunPlan, model, data) -> dict:
     return record
 
 
-def also_held_out(data, train_data) -> dict[str, torch.Tensor]:
-    """{name: rows} of the fine-tune's own corpus's held-out split, cut to the run's held-out row length, scored
-    beside the run's held-out rows; ValueError (before any training) when it holds not one such row."""
+def also_held_out(data, train_data) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{name: (rows, each row's document)} of the fine-tune's own corpus's held-out split, cut to the run's
+    held-out row length, scored beside the run's held-out rows; ValueError (before any training) when it holds
+    not one such row."""
     if train_data is None:
         return {}
     from ..data import pack
@@ -165,7 +169,7 @@ def also_held_out(data, train_data) -> dict[str, torch.Tensor]:
     if rows.shape[0] == 0:
         raise ValueError(f"train.data.held_out_fraction: the held-out split of {train_data.name!r} has "
                          f"{train_data.stream('held_out').numel()} tokens, not one row of {length} to score")
-    return {train_data.name: rows}
+    return {train_data.name: (rows, train_data.held_out_documents(length))}
 
 
 def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None, also=None) -> dict:
@@ -180,7 +184,8 @@ def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=Non
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True) | {"dtype": plan.eval_dtype}
     result = run_evaluation(
         model, tokenizer, eval_cfg,
-        held_out=data.held_out, kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
+        held_out=data.held_out, held_out_documents=data.held_out_documents(),
+        kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
         samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE, extra_held_out=also,
     )
     log.info("evaluation took %.1f s", time.perf_counter() - started)
