@@ -37,8 +37,12 @@ def conversion_label(run: dict) -> str:
     if run.get("method") == "original":
         return ""
     options = run.get("options") if isinstance(run.get("options"), str) else ""
-    return ", ".join(x for x in (f"{run['rope']} r={_int(run.get('r'))}", f"{run['svd']} d_kv={_int(run.get('d_kv'))}",
-                                 options) if x)
+    if not pd.isna(run.get("kv_elements")):   # a KV-byte budget: its rope/latent split is the conversion
+        shape = (f"{run['rope']}, {_int(run['kv_elements'])} elements = {run.get('rope_dims')} rope dims"
+                 f" + {run['svd']} latent")
+    else:
+        shape = f"{run['rope']} r={_int(run.get('r'))}, {run['svd']} d_kv={_int(run.get('d_kv'))}"
+    return ", ".join(x for x in (shape, options) if x)
 
 
 def _int(value) -> str:
