@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 from mha2mla_exp.assets import ASSETS, Asset
 from mha2mla_exp.data import (
     calibration_batches, check_data_config, concat_documents, is_held_out, pack, prepare_data,
-    pretrain_share_pct, steps_for_tokens, token_budget, tokens_per_step,
 )
 from mha2mla_exp.data import sources
 from mha2mla_exp.models import byte_tokenizer, check_model_config
@@ -214,24 +213,6 @@ def test_calibration_is_deterministic_and_from_train_only(corpus, tok):
         calibration_batches(data, n=5, seq_len=4096)
 
 
-# ---------------------------------------------------------------------------------------- budget
-
-
-def test_token_budget_matches_the_paper():
-    # SmolLM-135M, v1: 18k steps x 64 sequences x 2048 tokens of 600B pretraining tokens
-    b = token_budget(steps=18_000, batch_size=16, grad_accum=4, seq_len=2048, pretrain_tokens=6.0e11,
-                     available_tokens=1_179_648_000)
-    assert b["tokens"] == 2_359_296_000
-    assert b["pretrain_share_pct"] == pytest.approx(0.393216)
-    assert b["epochs"] == pytest.approx(2.0)
-    assert tokens_per_step(64, 2048) == 131_072
-    assert steps_for_tokens(131_073, 64, 2048) == 2 and steps_for_tokens(131_072, 64, 2048) == 1
-    assert pretrain_share_pct(500_000, 2.0e12) == pytest.approx(2.5e-5)  # the run record's example
-    assert pretrain_share_pct(10, None) is None
-    with pytest.raises(ValueError):
-        tokens_per_step(0, 2048)
-
-
 # ---------------------------------------------------------------------------------------- hub mixture
 
 
@@ -352,18 +333,6 @@ def test_finite_rows_are_a_pure_function_of_seed_and_step(corpus, tok):
     assert sorted(map(tuple, first_epoch.tolist())) == sorted(map(tuple, rows.rows.tolist()))  # each row once
     assert rows.epochs(2 * n) == 2.0
     assert not torch.equal(data.training_rows(16, seed=4).step_rows(0, n), rows.step_rows(0, n))
-
-
-def test_budget_above_a_finite_corpus_is_refused_unless_epochs_are_allowed():
-    from mha2mla_exp.data import check_epochs
-
-    assert check_epochs(500, 1000, False) == 0.5
-    with pytest.raises(ValueError, match=r"train\.tokens: the budget of 3,000 tokens is 3\.00 passes .*allowed: 1\)"):
-        check_epochs(3000, 1000, False)
-    assert check_epochs(3000, 1000, True) == 3.0
-    with pytest.raises(ValueError, match="allowed: 2"):
-        check_epochs(3000, 1000, 2)
-    assert check_epochs(10**12, None, False) is None  # a stream never repeats
 
 
 def test_hub_part_without_its_text_column_fails_clearly(monkeypatch, tok):

@@ -57,6 +57,22 @@ def test_device_and_precision_are_part_of_the_trained_identity(monkeypatch):
     assert cuda.eval_dtype == "bfloat16" and cpu.eval_dtype == "float32"
 
 
+@pytest.mark.parametrize("bf16_speed, chosen", [(0.02, "float32"), (4.6, "bfloat16")])
+def test_eval_dtype_fastest_measures_on_cpu_and_is_identified_by_what_it_chose(monkeypatch, bf16_speed, chosen):
+    """`eval.dtype=fastest` (commonsense_500's): bf16 only where bf16 matmuls measure fast on this CPU (an
+    AVX2-only EPYC runs them ~45x slower), and the same run as the dtype it resolved to, written out."""
+    from mha2mla_exp.train import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (bf16_speed, "probe"))
+    fastest = plan("eval.dtype=fastest")
+    assert fastest.eval_dtype == chosen and f"{bf16_speed:.2f}x" in fastest.eval_dtype_reason
+    assert fastest.eval_hash == plan(f"eval.dtype={chosen}").eval_hash
+    assert plan("eval.dtype=auto").eval_hash == plan().eval_hash  # `auto` is what no key meant
+    assert plan("eval.dtype=auto").eval_dtype == "float32"         # on CPU, measured or not
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert plan("eval.dtype=fastest").eval_dtype == "bfloat16"
+
+
 def test_an_untrained_model_is_the_same_in_any_training_precision():
     a = validate(smoke_cfg("/tmp/identity", "original", "train.precision=fp32"))
     b = validate(smoke_cfg("/tmp/identity", "original", "train.precision=bf16-master", "train.lr=1.0"))

@@ -191,9 +191,11 @@ def test_dispatcher_picks_triton_on_cuda():
 @pytest.mark.parametrize("rope,svd,kind", [("uniform", "joint", "gqa"), ("uniform", "split", "mha"),
                                            ("uniform", "joint", "qwen2"), ("rorope", "joint", "qwen2"),
                                            ("rorope", "split", "gqa")])
-def test_integration_recipe_equals_absorbed_attention(rope, svd, kind):
-    """The W_uk fold + absorbed_decode + W_uv recipe given to modeling.py equals the model's own
-    absorbed attention for one decode token after a prefill (k/v biases included; RoRoPE's shared rope key)."""
+def test_absorbed_decode_equals_attention_over_the_expanded_keys_and_values(rope, svd, kind):
+    """One decode token after a prefill: the W_uk fold + absorbed_decode + W_uv recipe, and the model's own
+    absorbed attention (which calls it), both equal softmax attention written out over the keys and values
+    expanded from the latent (k/v biases included; RoRoPE's one shared rope key). The expected side never goes
+    through absorbed_decode, so a wrong kernel, fold or dispatcher fails here."""
     torch.manual_seed(0)
     calibration = [torch.randint(0, 97, (2, 16))]
     mla = convert_to_mla(tiny_causal_lm(kind), rope=rope, r=2, svd=svd, d_kv=8, calibration=calibration)
@@ -208,9 +210,14 @@ def test_integration_recipe_equals_absorbed_attention(rope, svd, kind):
     q_rope, k_rope = attn._rotate(q_rope, k_rope, cos, sin)
     latent = attn.kv_down_proj(hidden).unsqueeze(1)
     q_rope, q_nope = q_rope[:, :, -1:], q_nope[:, :, -1:]  # the decode token attends to all s+1
-    expected = attn._absorbed_attention(q_rope, q_nope, k_rope, latent, None)  # [B, 1, n_h, d_h]
 
     n_kv, g, d_h = attn.num_kv_heads, attn.num_key_value_groups, attn.head_dim
+    k_nope, v = attn.expand_latent(latent)  # [B, n_kv, S, *]: the unabsorbed keys and values
+    keys = torch.cat([k_rope.expand(-1, n_kv, -1, -1) if attn.shared_rope else k_rope, k_nope], dim=-1)
+    query = torch.cat([q_rope, q_nope], dim=-1).view(b, n_kv, g, -1)
+    probs = torch.softmax(torch.einsum("bkgd,bksd->bkgs", query, keys) * attn.scaling, dim=-1)
+    expected = torch.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, 1, n_kv * g, d_h)
+
     w_uk = attn.k_up_proj.weight.view(n_kv, attn.nope_dim, -1)
     q_latent = torch.einsum("bkgn,knl->bkgl", q_nope.reshape(b, n_kv, g, -1), w_uk).reshape(b, n_kv * g, -1)
     attended = absorbed_decode(q_rope[:, :, 0], q_latent, k_rope, latent[:, 0], attn.k_latent, attn.v_latent,
@@ -220,6 +227,8 @@ def test_integration_recipe_equals_absorbed_attention(rope, svd, kind):
     if attn.v_up_proj.bias is not None:
         out = out + attn.v_up_proj.bias.view(1, n_kv, 1, d_h)
     torch.testing.assert_close(out.reshape(b, 1, n_kv * g, d_h), expected, rtol=1e-5, atol=1e-5)
+    model_path = attn._absorbed_attention(q_rope, q_nope, k_rope, latent, None)  # [B, 1, n_h, d_h]
+    torch.testing.assert_close(model_path, expected, rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":  # the interpreted run: TRITON_INTERPRET=1 is set by the fixture above

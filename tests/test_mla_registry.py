@@ -3,6 +3,7 @@ validated, calibrated, converted, named, run by the runner and understood by the
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,31 @@ def test_registry_rules():
     assert MLASpec.create(shape, rope="2-norm", r=2, svd="joint", d_kv=4, init="output").statistics == (
         "pair_norms", "input_gram", "query_moments", "value_spread", "attention_inputs")
     assert not MLASpec.create(shape, rope="high", r=2, svd="none").needs_calibration
+
+
+def test_strategies_inits_statistics_and_objectives_share_one_registry_mechanism(monkeypatch):
+    """One mechanism for every pluggable method: a named subclass of each kind's base registers itself, an
+    unnamed one does not, a second class under a taken name is refused, an unknown name is an error naming the
+    config field; the objective and the statistic are then built by name with their arguments."""
+    from mha2mla_exp.mla.calibration import STATISTICS, Statistic
+    from mha2mla_exp.mla.lowrank_init import LowRankInit
+    from mha2mla_exp.registry import Registered, Registry
+    from mha2mla_exp.train import OBJECTIVES, build_objective
+    from mha2mla_exp.train.objectives import Objective
+
+    kinds = [(RopeStrategy, ROPE_STRATEGIES, "rorope", "rope"), (LowRankInit, LOWRANK_INITS, "bkv", "init"),
+             (Statistic, STATISTICS, "pair_norms", "statistics"), (Objective, OBJECTIVES, "kd", "objective.name")]
+    for base, registry, taken, field in kinds:
+        assert isinstance(registry, Registry) and issubclass(base, Registered) and base.registry is registry
+        monkeypatch.setattr(registry, "_classes", dict(registry._classes))  # the probes leave with the test
+        named = type(f"Probe{base.__name__}", (base,), {"name": f"test-probe-{field}", "__module__": __name__})
+        assert registry.class_of(f"test-probe-{field}") is named
+        unnamed = type("Unnamed", (base,), {"__module__": __name__})
+        assert unnamed not in [registry.class_of(n) for n in registry]
+        with pytest.raises(ValueError, match="defined twice"):
+            type("Impostor", (base,), {"name": taken, "__module__": __name__})
+        with pytest.raises(ValueError, match=f"unknown {re.escape(field)}='no-such'"):
+            registry.class_of("no-such")
+    assert build_objective({"name": "kd", "temperature": 2.0}).temperature == 2.0
+    shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    assert STATISTICS.build("pair_norms", shape).shape is shape

@@ -7,7 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from mha2mla_exp.data.rows import FiniteRows, local_rows
-from mha2mla_exp.train import FineTuneRecipe, build_objective, finetune, plan_budget, precision_for
+from mha2mla_exp.train import (
+    FineTuneRecipe, build_objective, check_epochs, finetune, plan_budget, precision_for, pretrain_share_pct,
+)
 from mha2mla_exp.train import precision as precision_module
 from tests.conftest import tiny_causal_lm
 
@@ -58,6 +60,44 @@ def test_global_batch_split_does_not_change_the_rows_read():
     assert plan_budget(train_cfg(), pretrain_tokens=None, num_processes=2).rows_per_step == 16
 
 
+# ---------------------------------------------------------------------------------------- the token budget
+
+
+def test_the_one_budget_planner_gives_the_papers_share_of_pretraining():
+    """SmolLM-135M, v1: 18k steps x 64 sequences x 2,048 tokens = 0.39 % of 600B, planned from conf/train/paper
+    by the planner the dry run, the corpus check and the recipe share (data/ keeps no second one)."""
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+
+    from mha2mla_exp.confutil import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["train=paper", "model=smollm_135m"])
+    budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.pretrain_tokens)
+    assert (budget.steps, budget.rows_per_step, budget.tokens) == (18_000, 64, 2_359_296_000)
+    assert pretrain_share_pct(budget.tokens, cfg.model.pretrain_tokens) == pytest.approx(0.393216)
+    assert plan_budget(cfg.train, pretrain_tokens=None, num_processes=4).steps == 4_500  # the global batch grows
+    shared = OmegaConf.merge(cfg.train, {"pretrain_share_pct": 0.5})
+    assert plan_budget(shared, pretrain_tokens=6.0e11).steps == 22_889  # ceil(3e9 / 131,072): the share wins
+    with pytest.raises(ValueError, match="needs model.pretrain_tokens"):
+        plan_budget(shared, pretrain_tokens=None)
+    with pytest.raises(ValueError, match="must be positive"):
+        plan_budget(OmegaConf.merge(cfg.train, {"micro_batch_size": 0}), pretrain_tokens=None)
+    assert pretrain_share_pct(10, None) is None
+    assert importlib.util.find_spec("mha2mla_exp.data.budget") is None
+
+
+def test_budget_above_a_finite_corpus_is_refused_unless_epochs_are_allowed():
+    assert check_epochs(500, 1000, False) == 0.5
+    with pytest.raises(ValueError, match=r"train\.tokens: the budget of 3,000 tokens is 3\.00 passes .*allowed: 1\)"):
+        check_epochs(3000, 1000, False)
+    assert check_epochs(3000, 1000, True) == 3.0
+    with pytest.raises(ValueError, match="allowed: 2"):
+        check_epochs(3000, 1000, 2)
+    assert check_epochs(10**12, None, False) is None  # a stream never repeats
+
+
 def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeypatch):
     cuda = precision_for("auto", "cuda")
     assert (cuda.mode, cuda.param_dtype, cuda.compute_dtype, cuda.optimizer_dtype) == \
@@ -69,6 +109,17 @@ def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeyp
     assert precision_for("auto", "cpu").mode == "fp32"
     with pytest.raises(ValueError, match="train.precision: unknown 'bf8'"):
         precision_for("bf8", "cpu")
+
+
+def test_every_mode_keeps_fp32_master_weights_and_only_bf16_master_keeps_them_apart():
+    """The docs call bf16-autocast "fp32 master weights": its weights are the master weights (fp32, updated by an
+    fp32 optimizer), so it needs no separate copy; bf16-master does (bf16 weights), bf16-pure has none."""
+    modes = {m: precision_for(m, "cuda") for m in ("fp32", "bf16-autocast", "bf16-master", "bf16-pure")}
+    assert {m: p.optimizer_dtype for m, p in modes.items()} == {
+        "fp32": torch.float32, "bf16-autocast": torch.float32, "bf16-master": torch.float32,
+        "bf16-pure": torch.bfloat16}
+    assert {m for m, p in modes.items() if p.separate_master_copy} == {"bf16-master"}
+    assert not hasattr(modes["bf16-autocast"], "master_weights")  # the name that said False for fp32 masters
 
 
 @pytest.mark.parametrize("bf16_speed, full_probe", [(0.02, False), (3.0, True)])
@@ -139,7 +190,7 @@ def test_objectives_mix_and_check_their_arguments():
     assert build_objective({"name": "ce+kd", "kd_weight": 0.0})(logits, ids, teacher) == pytest.approx(ce(logits, ids))
     reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
     assert ce(logits, ids) == pytest.approx(reference.item())
-    with pytest.raises(ValueError, match="objective.name: unknown 'mse'"):
+    with pytest.raises(ValueError, match="unknown objective.name=.mse."):
         build_objective({"name": "mse"})
     with pytest.raises(ValueError, match="objective.kd_weight"):
         build_objective({"name": "ce+kd", "kd_weight": 2})

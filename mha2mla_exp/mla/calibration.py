@@ -2,7 +2,7 @@
 
 A `Statistic` hooks the attention layers and accumulates over the calibration batches; one forward pass
 over the batches serves every statistic a conversion asks for (`Calibration.prefetch`). Named statistics
-register themselves, so a strategy declares `statistics = ("pair_norms", ...)`; a strategy may also bring
+register themselves (mha2mla_exp/registry.py), so a strategy declares `statistics = ("pair_norms", ...)`; a strategy may also bring
 its own unnamed one and run it with `Calibration.run` (RoRoPE's rotated-key norms need its rotation first).
 Every result is on the CPU: pair norms in float32, moments in float64 as means per token.
 """
@@ -10,31 +10,26 @@ Every result is on the CPU: pair norms in float32, moments in float64 as means p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-STATISTICS: dict[str, type["Statistic"]] = {}
+from ..registry import Registered, Registry
+
+STATISTICS = Registry("calibration statistic", "statistics")
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
-class Statistic:
-    """Accumulates one statistic of every layer; `attach` registers hooks, `result` reads it out."""
+class Statistic(Registered):
+    """Accumulates one statistic of every layer; `attach` registers hooks, `result` reads it out. A named one is
+    registered for `statistics = (name, ...)`; an unnamed one is run by its strategy (`Calibration.run`)."""
 
-    name: ClassVar[str] = ""  # set to register it for `statistics = (name, ...)`
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            if cls.name in STATISTICS and STATISTICS[cls.name].__qualname__ != cls.__qualname__:
-                raise ValueError(f"calibration statistic {cls.name!r} is defined twice")
-            STATISTICS[cls.name] = cls
+    registry = STATISTICS
 
     def __init__(self, shape):
         self.shape = shape
@@ -302,11 +297,11 @@ class Calibration:
     def prefetch(self, names: Iterable[str]) -> None:
         """Collect every named statistic not collected yet, in one pass."""
         missing = [n for n in dict.fromkeys(names) if n not in self._results]
-        unknown = [n for n in missing if n not in STATISTICS]
+        unknown = STATISTICS.unknown(missing)
         if unknown:
             raise ValueError(f"unknown calibration statistic(s) {unknown}; known: {sorted(STATISTICS)}")
         if missing:
-            results = self.run(*(STATISTICS[n](self.shape) for n in missing))
+            results = self.run(*(STATISTICS.build(n, self.shape) for n in missing))
             self._results.update(zip(missing, results))
 
     def get(self, name: str):

@@ -15,7 +15,7 @@ from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
-from ..train.precision import Precision, precision_for
+from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
@@ -42,6 +42,7 @@ class RunPlan:
     device_type: str             # cuda | cpu: part of the identity (numbers differ between devices)
     precision: Precision | None  # the training precision; None when nothing is trained
     eval_dtype: str              # the dtype the evaluation runs in
+    eval_dtype_reason: str       # why (`fastest` is decided by a measurement on CPU)
     trained_hash: str            # the trained (or converted) model's identity
     conversion_hash: str | None  # the untrained conversion's identity: recipes trained from it share it
     eval_hash: str               # this evaluation's identity
@@ -136,7 +137,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
             objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
             mode = auto_precision if cfg.train.precision == "auto" and auto_precision else cfg.train.precision
             precision = precision_for(mode, device_type, hidden_size=shape.hidden_size,
-                                      intermediate_size=int(cfg.model.get("intermediate_size") or 4 * shape.hidden_size))
+                                      intermediate_size=intermediate_size(cfg, shape))
         except ValueError as err:
             raise ConfigError(str(err)) from err
         if objective.needs_teacher and cfg.variant != "mla":
@@ -144,7 +145,8 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
                               f"variant={cfg.variant!r} has no conversion")
     if cfg.data.source == "hub":
         notes += _probe(lambda: probe_hub_datasets(OmegaConf.to_container(cfg.data.mixture, resolve=True)), "data")
-    eval_dtype = resolve_eval_dtype(cfg.eval.get("dtype"), device_type)
+    eval_dtype, eval_dtype_reason = resolve_eval_dtype(
+        cfg.eval.get("dtype"), device_type, bf16_pays=lambda: cpu_bf16_pays(shape.hidden_size, intermediate_size(cfg, shape)))
 
     runtime = {"device_type": device_type, "precision": precision.to_record() if precision else None}
     if precision is not None:
@@ -158,7 +160,8 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
     evaluation = evaluation_identity(cfg, eval_dtype=eval_dtype)
     return RunPlan(
         variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
-        device_type=device_type, precision=precision, eval_dtype=eval_dtype, trained_hash=digest(trained),
+        device_type=device_type, precision=precision, eval_dtype=eval_dtype, eval_dtype_reason=eval_dtype_reason,
+        trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
     )
@@ -179,14 +182,27 @@ def global_batch_rows(train_cfg) -> int:
     return int(train_cfg.micro_batch_size) * int(train_cfg.grad_accum) * world_size()
 
 
-def resolve_eval_dtype(dtype: str | None, device_type: str) -> str:
-    """The lm-eval suites' dtype. `auto` (or null): bf16 on CUDA (as the paper evaluates), fp32 on CPU."""
+EVAL_DTYPE_MODES = ("auto", "fastest")
+
+
+def resolve_eval_dtype(dtype: str | None, device_type: str, *, bf16_pays=None) -> tuple[str, str]:
+    """The lm-eval suites' dtype and why. `auto` (or null): bf16 on CUDA (as the paper evaluates), fp32 on CPU.
+    `fastest`: bf16 on CUDA; on CPU bf16 where `bf16_pays()` (a timing of the model's matmuls) says it is
+    worth it, else fp32: an AVX2-only CPU runs bf16 tens of times slower, an AMX one several times faster.
+    `dtype` was checked by `_check_eval`."""
     dtype = dtype or "auto"
+    if dtype in DTYPES:
+        return dtype, "set in the config"
+    if device_type == "cuda":
+        return "bfloat16", f"{dtype} on CUDA: bf16 (as the paper evaluates)"
     if dtype == "auto":
-        return "bfloat16" if device_type == "cuda" else "float32"
-    if dtype not in DTYPES:
-        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected auto, null or one of {', '.join(DTYPES)}")
-    return dtype
+        return "float32", "auto on CPU: fp32"
+    fast, why = bf16_pays()
+    return ("bfloat16" if fast else "float32"), f"fastest on CPU: {why}"
+
+
+def intermediate_size(cfg: DictConfig, shape: ModelShape) -> int:
+    return int(cfg.model.get("intermediate_size") or 4 * shape.hidden_size)
 
 
 def _device_type(device: str) -> str:
@@ -251,8 +267,15 @@ def _check_eval(eval_cfg: DictConfig) -> None:
     """The evaluation's own parser, run here so that a bad eval setting fails before fine-tuning, not after."""
     from ..evaluation import parse_eval_config
 
+    container = OmegaConf.to_container(eval_cfg, resolve=True)
+    dtype = container.get("dtype")
+    if dtype not in (None, *EVAL_DTYPE_MODES, *DTYPES):
+        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected {', '.join(EVAL_DTYPE_MODES)}, null or one of "
+                          f"{', '.join(DTYPES)}")
+    if dtype in EVAL_DTYPE_MODES:
+        container["dtype"] = None  # a mode: resolved per device by resolve_eval_dtype, after the cheap checks
     try:
-        parse_eval_config(OmegaConf.to_container(eval_cfg, resolve=True))
+        parse_eval_config(container)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         message = str(err)
         raise ConfigError(message if message.startswith("eval") else f"eval: {message}") from err

@@ -68,6 +68,14 @@ def evaluation_identity(cfg: DictConfig, *, eval_dtype: str) -> dict:
     container = OmegaConf.to_container(cfg, resolve=True)
     identity = {k: container.get(k) for k in EVALUATION_KEYS if k in container}
     identity["eval_dtype"] = eval_dtype
+    block = identity.get("eval")
+    if isinstance(block, dict) and "dtype" in block:
+        # a dtype is identified by what it resolved to: `fastest` on a bf16 CPU is the run `bfloat16` made,
+        # and `auto` (or null) is the run written before the key existed
+        if block["dtype"] in (None, "auto"):
+            del block["dtype"]
+        else:
+            block["dtype"] = eval_dtype
     _drop_observers(identity)
     return identity
 

@@ -138,6 +138,7 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
                              num_processes=dist.num_processes)
         lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
                      f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
+    lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
     if dist.is_main_process:
         print("\n".join(lines))
@@ -296,6 +297,7 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
 def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also=None) -> None:
     t = time.perf_counter()
     record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the model's own
+    record["eval_dtype_reason"] = plan.eval_dtype_reason
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
     record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir, also=also)
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)

@@ -6,8 +6,8 @@
 - `ce+kd`: `(1 - kd_weight) * ce + kd_weight * kd`.
 
 The teacher (the unconverted model) is kept frozen, in bf16 when the device computes bf16 well, and
-only runs forward passes. Add an objective by writing a class here with `@register("name")` and a file
-in conf/objective/.
+only runs forward passes. Add an objective by writing a class here that sets `name` (it registers itself,
+mha2mla_exp/registry.py) and a file in conf/objective/.
 """
 
 from __future__ import annotations
@@ -17,31 +17,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES: dict[str, type["Objective"]] = {}
+from ..registry import Registered, Registry
 
-
-def register(name: str):
-    def wrap(cls):
-        cls.name = name
-        OBJECTIVES[name] = cls
-        return cls
-    return wrap
+OBJECTIVES = Registry("recovery objective", "objective.name")
 
 
 def build_objective(cfg: dict) -> "Objective":
     """The objective named by `cfg["name"]`, its other keys as arguments; ValueError naming the field."""
     cfg = dict(cfg or {"name": "ce"})
     name = cfg.pop("name", "ce")
-    if name not in OBJECTIVES:
-        raise ValueError(f"objective.name: unknown {name!r}; expected one of {', '.join(OBJECTIVES)}")
+    cls = OBJECTIVES.class_of(name)
     try:
-        return OBJECTIVES[name](**cfg)
+        return cls(**cfg)
     except TypeError as err:
         raise ValueError(f"objective: {name!r} does not take {sorted(cfg)} ({err})") from None
 
 
-class Objective:
-    name = "?"
+class Objective(Registered):
+    registry = OBJECTIVES
     needs_teacher = False
 
     def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torch.Tensor | None):
@@ -62,16 +55,16 @@ def forward_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: 
     return kl.mean() * temperature**2
 
 
-@register("ce")
 @dataclass
 class CrossEntropy(Objective):
+    name = "ce"
     def __call__(self, logits, input_ids, teacher_logits=None):
         return next_token_ce(logits, input_ids)
 
 
-@register("kd")
 @dataclass
 class LogitDistillation(Objective):
+    name = "kd"
     temperature: float = 1.0
     needs_teacher = True
 
@@ -83,9 +76,9 @@ class LogitDistillation(Objective):
         return forward_kl(logits, teacher_logits, self.temperature)
 
 
-@register("ce+kd")
 @dataclass
 class CrossEntropyAndDistillation(Objective):
+    name = "ce+kd"
     kd_weight: float = 0.5
     temperature: float = 1.0
     needs_teacher = True

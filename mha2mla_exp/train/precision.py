@@ -33,7 +33,7 @@ class Precision:
     mode: str                 # one of MODES but 'auto'
     param_dtype: torch.dtype  # what the model's weights are stored in while training
     compute_dtype: torch.dtype
-    optimizer_dtype: torch.dtype  # the dtype the optimizer's update and state live in (master weights)
+    optimizer_dtype: torch.dtype  # the master weights' dtype: what the optimizer's update and state live in
     reason: str = ""
 
     @property
@@ -41,7 +41,9 @@ class Precision:
         return self.mode == "bf16-autocast"
 
     @property
-    def master_weights(self) -> bool:
+    def separate_master_copy(self) -> bool:
+        """True where the weights are stored below the optimizer's precision (bf16-master), so the fp32 master
+        weights are a copy of their own; under fp32 and bf16-autocast the fp32 weights are the master weights."""
         return self.param_dtype != self.optimizer_dtype
 
     def to_record(self) -> dict:
@@ -58,11 +60,8 @@ def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, interm
         if device_type == "cuda":
             mode, reason = "bf16-autocast", "auto on CUDA: fp32 master weights, bf16 autocast (the paper's recipe)"
         else:
-            speedup, detail = cpu_bf16_speedup(hidden_size, intermediate_size)
-            fast = speedup >= CPU_BF16_MIN_SPEEDUP
-            mode = "bf16-autocast" if fast else "fp32"
-            reason = (f"auto on CPU: bf16 matmul {speedup:.2f}x fp32 ({detail}); "
-                      f"{'>=' if fast else '<'} {CPU_BF16_MIN_SPEEDUP}x threshold")
+            fast, why = cpu_bf16_pays(hidden_size, intermediate_size)
+            mode, reason = ("bf16-autocast" if fast else "fp32"), f"auto on CPU: {why}"
     bf16, fp32 = torch.bfloat16, torch.float32
     return {
         "fp32": Precision("fp32", fp32, fp32, fp32, reason),
@@ -70,6 +69,14 @@ def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, interm
         "bf16-master": Precision("bf16-master", bf16, bf16, fp32, reason),
         "bf16-pure": Precision("bf16-pure", bf16, bf16, bf16, reason),
     }[mode]
+
+
+def cpu_bf16_pays(hidden_size: int, intermediate_size: int) -> tuple[bool, str]:
+    """Whether bf16 matmuls at the model's shape run at least CPU_BF16_MIN_SPEEDUP times fp32's speed on this
+    CPU, and the measurement that says so (what `train.precision=auto` and `eval.dtype=fastest` decide by)."""
+    speedup, detail = cpu_bf16_speedup(hidden_size, intermediate_size)
+    fast = speedup >= CPU_BF16_MIN_SPEEDUP
+    return fast, f"bf16 matmul {speedup:.2f}x fp32 ({detail}); {'>=' if fast else '<'} {CPU_BF16_MIN_SPEEDUP}x threshold"
 
 
 SCREEN_ROWS = 32     # a first bf16/fp32 timing this small, so that a CPU without a bf16 kernel is told in seconds

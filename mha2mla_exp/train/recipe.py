@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
+from .budget import plan_budget, pretrain_share_pct
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
 from .precision import Precision
@@ -45,31 +45,6 @@ class FineTuneDiverged(RuntimeError):
     def __init__(self, step: int, loss: float, reason: str):
         super().__init__(f"fine-tune diverged at step {step}: loss={loss} ({reason})")
         self.step, self.loss = step, loss
-
-
-@dataclass(frozen=True)
-class Budget:
-    tokens_per_step: int
-    steps: int
-    rows_per_step: int
-
-    @property
-    def tokens(self) -> int:
-        return self.tokens_per_step * self.steps
-
-
-def plan_budget(train_cfg, *, pretrain_tokens: float | None, num_processes: int = 1) -> Budget:
-    """Optimizer steps for the token budget (`pretrain_share_pct` of the pretraining tokens wins)."""
-    rows = train_cfg.micro_batch_size * train_cfg.grad_accum * num_processes
-    per_step = train_cfg.seq_len * rows
-    share = train_cfg.get("pretrain_share_pct")
-    if share is not None:
-        if not pretrain_tokens:
-            raise ValueError("train.pretrain_share_pct needs model.pretrain_tokens")
-        tokens = share / 100 * pretrain_tokens
-    else:
-        tokens = train_cfg.tokens
-    return Budget(per_step, max(1, math.ceil(tokens / per_step)), rows)
 
 
 class FineTuneRecipe:
@@ -102,7 +77,7 @@ class FineTuneRecipe:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)
         trained = [p for p in model.parameters() if p.requires_grad]
-        self.master = MasterWeights(trained) if precision.master_weights else None
+        self.master = MasterWeights(trained) if precision.separate_master_copy else None
         targets = self.master.master if self.master else trained
         decay = [t for p, t in zip(trained, targets) if p.dim() >= 2]  # no decay on biases and norm weights
         no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
@@ -181,7 +156,7 @@ class FineTuneRecipe:
         """One line per logged step (every `log_every` steps, the last one, and any step that was probed)."""
         if self.step_count % self.cfg.log_every and self.step_count != self.budget.steps and not probe:
             return
-        record = {"step": self.step_count, "tokens": self.step_count * self.budget.tokens_per_step, "loss": loss,
+        record = {"step": self.step_count, "tokens": self.budget.tokens_after(self.step_count), "loss": loss,
                   "lr": self.step_lr, "elapsed_s": round(elapsed, 3)} | (probe or {})
         if self.on_log and self.accelerator.is_main_process:
             self.on_log(record)
@@ -245,18 +220,17 @@ class FineTuneRecipe:
         model.eval()
         self.model = model
         step, budget = self.step_count, self.budget
-        throughput = step * budget.tokens_per_step / max(seconds, 1e-9)
+        throughput = budget.tokens_after(step) / max(seconds, 1e-9)
         flops = train_flops_per_token(model, self.cfg.seq_len) * throughput
         rows_read = step * budget.rows_per_step
         epochs = self.rows.epochs(rows_read)
         return {
-            "tokens": step * budget.tokens_per_step,
+            "tokens": budget.tokens_after(step),
             "steps": step,
             "final_loss": self.last_loss,
             "first_loss": self.first_loss,
             "objective": self.objective.name,
-            "pretrain_share_pct": 100 * step * budget.tokens_per_step / self.pretrain_tokens
-            if self.pretrain_tokens else None,
+            "pretrain_share_pct": pretrain_share_pct(budget.tokens_after(step), self.pretrain_tokens or None),
             "seconds": round(seconds, 3),
             "tokens_per_s": round(throughput, 1),
             "achieved_tflops": round(flops / 1e12, 4),

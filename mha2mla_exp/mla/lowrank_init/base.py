@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from ..layouts import KeySplit
-from ..registry import Registry
+from ...registry import Registered, Registry
 
 LOWRANK_INITS = Registry("low-rank init", "init")
 
@@ -51,15 +51,10 @@ class Weighting:
     label: str = ""                     # names a candidate in the converted config (`mla.init_choices`)
 
 
-class LowRankInit:
-    name: ClassVar[str] = ""
+class LowRankInit(Registered):
+    registry = LOWRANK_INITS
     statistics: ClassVar[tuple[str, ...]] = ()
     label: ClassVar[str] = ""  # "" = the paper's choice, nothing added to a run name
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            LOWRANK_INITS.add(cls)
 
     def weighting(self, problem: LayerProblem, calibration) -> Weighting:
         raise NotImplementedError

@@ -1,7 +1,7 @@
 """RoPE strategies (step 1 of MHA2MLA): which frequency pairs keep RoPE. One class per file, registered by
 name; importing this package imports every module in it. See `base.RopeStrategy` for how to add one."""
 
-from ..registry import import_submodules
+from ...registry import import_submodules
 from .base import ROPE_STRATEGIES, FixedPairs, RopeStrategy
 
 import_submodules(__name__, __path__)

@@ -19,25 +19,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..layouts import HeadPairs
-from ..registry import Registry
+from ...registry import Registered, Registry
 
 ROPE_STRATEGIES = Registry("RoPE strategy", "rope")
 
 
-class RopeStrategy:
+class RopeStrategy(Registered):
     """Chooses, per layer, which (rotated) frequency pairs keep RoPE: a list of `HeadPairs` or `RotatedPairs`."""
 
-    name: ClassVar[str] = ""
+    registry = ROPE_STRATEGIES
     statistics: ClassVar[tuple[str, ...]] = ()       # what `select` reads from the calibration
     scores: ClassVar[tuple[str, ...]] = ("product",)  # the `score` values it understands (default first)
     # True: it ranks pairs for one rope key shared by the heads (`ranked`), so a layer can keep any number of
     # them, as a KV budget split between rope dims and latent asks (mla/budget.py)
     any_pair_count: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            ROPE_STRATEGIES.add(cls)
 
     def needs(self, score: str) -> tuple[str, ...]:
         """The calibration statistics `select` reads under `score` (by default `statistics`)."""

@@ -1,0 +1,72 @@
+"""The fine-tune's token budget: optimizer steps for `train.tokens` (or a share of the model's pretraining
+tokens), their share of pretraining, and passes over a finite corpus. The one planner: the dry run, the
+pre-load corpus check and the recipe all read it.
+
+The paper's claim is recovery with 0.3-0.6 % of the pretraining tokens (SmolLM-135M: 18k steps x 64 sequences
+x 2,048 tokens = 2.36B tokens = 0.39 % of 600B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    tokens_per_step: int  # every row is packed (no padding), so every position counts
+    steps: int
+    rows_per_step: int    # the global batch: micro-batch x accumulation x processes
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_per_step * self.steps
+
+    def tokens_after(self, steps: int) -> int:
+        return self.tokens_per_step * steps
+
+
+def plan_budget(train_cfg, *, pretrain_tokens: float | None, num_processes: int = 1) -> Budget:
+    """The fewest optimizer steps that read the token budget (`pretrain_share_pct` of the pretraining tokens
+    wins over `tokens` when set)."""
+    sizes = (train_cfg.micro_batch_size, train_cfg.grad_accum, num_processes, train_cfg.seq_len)
+    if min(sizes) < 1:
+        raise ValueError(f"train: micro_batch_size, grad_accum, processes and seq_len must be positive, got {sizes}")
+    rows = train_cfg.micro_batch_size * train_cfg.grad_accum * num_processes
+    per_step = train_cfg.seq_len * rows
+    share = train_cfg.get("pretrain_share_pct")
+    if share is not None:
+        if not pretrain_tokens:
+            raise ValueError("train.pretrain_share_pct needs model.pretrain_tokens")
+        tokens = share / 100 * pretrain_tokens
+    else:
+        tokens = train_cfg.tokens
+    return Budget(per_step, max(1, math.ceil(tokens / per_step)), rows)
+
+
+def pretrain_share_pct(tokens: int | float, pretrain_tokens: int | float | None) -> float | None:
+    """`tokens` as a percentage of the model's pretraining tokens (None when that is unknown)."""
+    if pretrain_tokens is None:
+        return None
+    if pretrain_tokens <= 0:
+        raise ValueError(f"pretrain_tokens must be positive, got {pretrain_tokens}")
+    return 100.0 * tokens / pretrain_tokens
+
+
+def check_epochs(tokens: int, available: int | None, epochs_allowed) -> float | None:
+    """Epochs a budget makes over a finite corpus; ValueError unless `epochs_allowed` permits repeating text.
+
+    `epochs_allowed`: false (one pass at most), true (any), or a number (at most that many passes).
+    A stream (`available` None) never repeats.
+    """
+    if available is None:
+        return None
+    epochs = tokens / available
+    limit = 1.0 if not epochs_allowed else (float("inf") if epochs_allowed is True else float(epochs_allowed))
+    if epochs > limit:
+        raise ValueError(
+            f"train.tokens: the budget of {tokens:,} tokens is {epochs:.2f} passes over the {available:,} training "
+            f"tokens of this corpus (allowed: {limit:g}); fine-tuning would repeat text. Lower the budget, stream a "
+            "corpus (data=smollm_corpus), or set train.epochs_allowed=true (or a number of passes)"
+        )
+    return epochs
