@@ -39,9 +39,6 @@ class Registry:
     def __iter__(self):
         return iter(self._classes)
 
-    def unknown(self, names) -> list[str]:
-        return [n for n in names if n not in self._classes]
-
     def class_of(self, name: str) -> type:
         """The class registered as `name`; ValueError naming the config field and the choices otherwise."""
         cls = self._classes.get(name)

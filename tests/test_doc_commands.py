@@ -49,6 +49,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from test_configs import offline_longbench, options
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -217,10 +218,6 @@ def is_sweep(override: str) -> bool:
     with hydra_conf():
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
         return parser.parse_override(override).is_sweep_override()
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 @contextlib.contextmanager
@@ -630,9 +627,7 @@ def test_every_eval_option_takes_the_documented_eval_keys(option, checker):
         assert OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING, f"conf/eval/{option}.yaml lacks {key}"
     from mha2mla_exp.runner import validate
 
-    from test_configs import offline_longbench  # LongBench's data come from the hub: a folder in its format
-
-    data = offline_longbench(cfg, checker.tmp)
+    data = offline_longbench(cfg, checker.tmp)  # LongBench's data come from the hub: a folder in its format
     assert validate(compose([f"eval={option}", "eval.dtype=float32", *data])).eval_dtype == "float32"
 
 

@@ -297,7 +297,7 @@ class Calibration:
     def prefetch(self, names: Iterable[str]) -> None:
         """Collect every named statistic not collected yet, in one pass."""
         missing = [n for n in dict.fromkeys(names) if n not in self._results]
-        unknown = STATISTICS.unknown(missing)
+        unknown = [n for n in missing if n not in STATISTICS]
         if unknown:
             raise ValueError(f"unknown calibration statistic(s) {unknown}; known: {sorted(STATISTICS)}")
         if missing:

@@ -20,7 +20,7 @@ class Budget:
 
     @property
     def tokens(self) -> int:
-        return self.tokens_per_step * self.steps
+        return self.tokens_after(self.steps)
 
     def tokens_after(self, steps: int) -> int:
         return self.tokens_per_step * steps

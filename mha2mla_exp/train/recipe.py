@@ -220,17 +220,18 @@ class FineTuneRecipe:
         model.eval()
         self.model = model
         step, budget = self.step_count, self.budget
-        throughput = budget.tokens_after(step) / max(seconds, 1e-9)
+        tokens = budget.tokens_after(step)
+        throughput = tokens / max(seconds, 1e-9)
         flops = train_flops_per_token(model, self.cfg.seq_len) * throughput
         rows_read = step * budget.rows_per_step
         epochs = self.rows.epochs(rows_read)
         return {
-            "tokens": budget.tokens_after(step),
+            "tokens": tokens,
             "steps": step,
             "final_loss": self.last_loss,
             "first_loss": self.first_loss,
             "objective": self.objective.name,
-            "pretrain_share_pct": pretrain_share_pct(budget.tokens_after(step), self.pretrain_tokens or None),
+            "pretrain_share_pct": pretrain_share_pct(tokens, self.pretrain_tokens or None),
             "seconds": round(seconds, 3),
             "tokens_per_s": round(throughput, 1),
             "achieved_tflops": round(flops / 1e12, 4),
