@@ -91,3 +91,20 @@ def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_pa
     assert record["status"] == "ok" and record["machine"]["processes"] == 2
     assert [row["step"] for row in curve] == [row["step"] for row in single_curve]
     assert record["train"]["final_loss"] == pytest.approx(single["train"]["final_loss"], abs=2e-5)
+
+
+def test_a_sweep_under_torchrun_outlasts_an_evaluation_longer_than_the_collective_timeout(tmp_path):
+    # the main process evaluates each cell for 40 s more than its collectives may wait (15 s): the other process
+    # must wait for it at the end of the cell, not in the next cell's first collective
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MHA2MLA_SLOW_EVAL_S="40")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mha2mla_exp",
+         "-m", *COMMON, "train.tokens=1024", "train.micro_batch_size=4", "train.grad_accum=1",
+         "distributed.timeout_s=15", "seed=0,1", f"results_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in (tmp_path / "default").glob("*/results.json")]
+    assert sorted(r["status"] for r in records) == ["ok", "ok"]
+    assert sorted(r["trained_hash"] for r in records)[0] != sorted(r["trained_hash"] for r in records)[1]
+    assert all(r["machine"]["processes"] == 2 for r in records)

@@ -2,8 +2,8 @@
 reuse the kept trained model -> measure -> evaluate -> record. Finished runs are skipped, interrupted ones resume.
 
 Rank-aware: under `torchrun` / `accelerate launch` every process validates, loads and trains; only the main
-process writes the record, the training curve and W&B, and evaluates (the others leave once the trained model
-is saved).
+process writes the record, the training curve and W&B, and evaluates, while the others wait for it
+(`ranks.wait_for_main_process`), so that a multirun's processes enter each cell together.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig, OmegaConf
 
 from ..mla.lowrank import FACTOR_SPLIT
 from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
+from .ranks import SLOW_EVAL_ENV, eval_wait_s, process_state, same_on_every_rank, wait_for_main_process
 from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, validate
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
@@ -43,7 +41,7 @@ def trained_model_for(cfg: DictConfig, plan: RunPlan) -> TrainedModel:
 
 def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's)."""
-    dist = PartialState(cpu=str(cfg.device).startswith("cpu") or not torch.cuda.is_available())
+    dist = process_state(cfg)
     plan = validate(cfg)  # every config error surfaces here, before any weight is touched
     run_dir = run_dir_for(cfg, plan)
     previous = read_results(run_dir)
@@ -103,11 +101,14 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     started = time.perf_counter()
     try:
         model = _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
-        if main:
-            if plan.trains and trained.metrics_path.exists():
-                shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
-            write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also)
+        try:
+            if main:
+                if plan.trains and trained.metrics_path.exists():
+                    shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
+                write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
+                _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also)
+        finally:  # also when the evaluation fails: the sweep's next cell starts on every process together
+            wait_for_main_process(dist, eval_wait_s(cfg))
         record["status"] = "ok"
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
@@ -169,7 +170,7 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
 
     lock = trained.lock() if dist.is_main_process else contextlib.nullcontext()
     with lock:  # two evaluations of one trained model (a parallel sweep) never train it twice
-        info = _same_on_every_rank(_kept_info(trained), dist)
+        info = same_on_every_rank(_kept_info(trained), dist)
         if info is not None and info.get("status") == "diverged":
             raise FineTuneDiverged(info["train"]["diverged_at_step"], info["train"]["loss"], "kept record")
         if info is not None:
@@ -193,11 +194,6 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
     return model
 
 
-def _same_on_every_rank(value, dist):
-    """The main process's `value` on every process: a decision that branches into collectives must agree."""
-    return broadcast_object_list([value])[0] if dist.num_processes > 1 else value
-
-
 def _kept_info(trained: TrainedModel) -> dict | None:
     if trained.complete():
         return trained.info()
@@ -217,7 +213,7 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
     from ..train.objectives import build_objective
 
     needs_original = plan.distill or build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
-    reuse = kept is not None and _same_on_every_rank(kept.complete(), dist)
+    reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
     original = None
     if not reuse or needs_original:
         original, _ = stages.load(cfg, plan, dist.device)
@@ -300,6 +296,7 @@ def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also=None) -> 
     record["eval_dtype_reason"] = plan.eval_dtype_reason
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
     record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir, also=also)
+    time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 
