@@ -487,3 +487,62 @@ def test_local_text_without_paths_says_so():
         cfg = compose(overrides=["+data=local_text"])
     with pytest.raises(ValueError, match=r"data\.paths: missing"):
         check_data_config(cfg.data)
+
+
+def test_two_seeds_read_a_stream_in_different_orders_that_resume_exactly(tmp_path, tok):
+    rng = random.Random(2)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 60)) for i in range(400)]
+    cfg = jsonl_stream_cfg(tmp_path, docs, held_out_documents=5) | {"shuffle_rows": 12}
+    check_data_config(cfg)
+    data = prepare_data(cfg, tok)
+    again = data.training_rows(16, seed=0).step_rows(0, 24)
+    a, b = data.training_rows(16, seed=0), data.training_rows(16, seed=1)
+    rows_a = torch.cat([a.step_rows(step, 8) for step in range(6)])
+    rows_b = torch.cat([b.step_rows(step, 8) for step in range(6)])
+    assert torch.equal(rows_a[:24], again)  # a pure function of (seed, step)
+    for step in range(6):  # every step differs between the seeds...
+        assert not torch.equal(rows_a[step * 8:(step + 1) * 8], rows_b[step * 8:(step + 1) * 8])
+    # ...while over whole windows both read the same fresh text
+    assert sorted(map(tuple, rows_a.tolist())) == sorted(map(tuple, rows_b.tolist()))
+    plain = data.training_rows(16, seed=0)
+    plain.shuffle_rows = 0
+    assert sorted(map(tuple, torch.cat([plain.step_rows(s, 8) for s in range(6)]).tolist())) == \
+        sorted(map(tuple, rows_a.tolist()))
+
+    for stop in (1, 3):  # inside a window (8 of 12 rows read) and at a window's edge (24 of 24)
+        first = data.training_rows(16, seed=1)
+        for step in range(stop):
+            first.step_rows(step, 8)
+        resumed = data.training_rows(16, seed=1)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        for step in range(stop, 6):
+            assert torch.equal(resumed.step_rows(step, 8), rows_b[step * 8:(step + 1) * 8])
+
+
+def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(tmp_path, tok):
+    from mha2mla_exp.data import calibration_batches
+    from mha2mla_exp.runner import stages
+    from mha2mla_exp.runner.config import validate
+
+    rng = random.Random(3)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 60)) for i in range(400)]
+    data = prepare_data(jsonl_stream_cfg(tmp_path, docs, held_out_documents=5), tok)
+    root = Path(__file__).resolve().parents[1]
+
+    def offsets(seed):
+        with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[
+                "model=tiny_random", "distill.enabled=true", "distill.sequences=4", "distill.seq_len=16",
+                "calibration.num_sequences=6", "calibration.seq_len=16", "rope=2-norm", "rope.r=2", "svd.d_kv=8",
+                f"seed={seed}"])
+        return stages.stream_offsets(cfg, validate(cfg))
+
+    calibration = torch.cat(calibration_batches(data, n=6, seq_len=16))
+    assert torch.equal(calibration, data.training_rows(16, seed=0).next_rows(6))  # the head, as in the paper
+    distilled = {seed: torch.cat(calibration_batches(data, n=4, seq_len=16, seed=seed + 1,
+                                                      stream_offset=offsets(seed)["distill"])) for seed in (0, 1)}
+    assert offsets(0)["distill"] == 6 * 16 and offsets(1)["distill"] == 6 * 16 + 4 * 16
+    seen = {tuple(r) for r in calibration.tolist()}
+    for seed, rows in distilled.items():
+        assert not seen & {tuple(r) for r in rows.tolist()}, seed
+    assert not {tuple(r) for r in distilled[0].tolist()} & {tuple(r) for r in distilled[1].tolist()}

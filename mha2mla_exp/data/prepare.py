@@ -204,13 +204,18 @@ class StreamedData:
         return _row_documents(self.held_out_doc_lengths, stream, seq_len or self.seq_len)
 
     def training_rows(self, seq_len: int, seed: int) -> TrainStream:
-        """The stream after the held-out documents, packed into rows of `seq_len` (its order is the mixture's
-        seed's; `seed` plays no part: fresh text has no epochs to shuffle)."""
-        return TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests)
+        """The stream after the held-out documents, packed into rows of `seq_len`, each window of
+        `data.shuffle_rows` rows in an order drawn from `seed` (data.stream)."""
+        return TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
+                           seed=seed, shuffle_rows=self.cfg.get("shuffle_rows", 0))
 
-    def sample_train(self, n: int, seq_len: int, seed: int) -> torch.Tensor:
-        """The first `n` training rows of `seq_len` (calibration reads the fine-tuning mix, as in the paper)."""
-        return self.training_rows(seq_len, seed).next_rows(n)
+    def sample_train(self, n: int, seq_len: int, seed: int, *, after_tokens: int = 0) -> torch.Tensor:
+        """`n` rows of `seq_len` read in order from the training stream after its first `after_tokens` tokens
+        (calibration reads the head of the fine-tuning mix, as in the paper; a later sample passes over the
+        earlier ones'). A stream is read in order, so `seed` plays no part here: `after_tokens` does."""
+        rows = TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests)
+        rows.skip_tokens(after_tokens)
+        return rows.next_rows(n)
 
 
 def _row_documents(doc_lengths: torch.Tensor | None, stream: torch.Tensor, seq_len: int) -> torch.Tensor | None:
@@ -287,11 +292,15 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
 
 
 def calibration_batches(
-    prepared: PreparedData | StreamedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0
+    prepared: PreparedData | StreamedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0,
+    *, stream_offset: int = 0,
 ) -> list[torch.Tensor]:
     """`n` sequences of `seq_len` tokens (default: the packing length) from the TRAIN split, in batches;
-    the same arguments always give the same batches."""
+    the same arguments always give the same batches. A finite corpus draws them with `seed`; a stream reads
+    them in order after its first `stream_offset` tokens (the samples of the stages before)."""
     seq_len = seq_len or prepared.seq_len
     if n < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError(f"n, seq_len and batch_size must be positive, got {n}, {seq_len}, {batch_size}")
+    if isinstance(prepared, StreamedData):
+        return list(prepared.sample_train(n, seq_len, seed, after_tokens=stream_offset).split(batch_size))
     return list(prepared.sample_train(n, seq_len, seed).split(batch_size))

@@ -73,6 +73,10 @@ def check_data_config(data_cfg: Any) -> None:
         if isinstance(held_out, bool) or not isinstance(held_out, int) or held_out < 1:
             raise ValueError(f"data.held_out_documents: a streamed source holds out its first N documents; "
                              f"expected a positive integer, got {held_out!r}")
+        shuffle = cfg.get("shuffle_rows", 0)
+        if isinstance(shuffle, bool) or not isinstance(shuffle, int) or shuffle < 0:
+            raise ValueError(f"data.shuffle_rows: rows are shuffled in windows of this many (0: in stream order); "
+                             f"expected a non-negative integer, got {shuffle!r}")
 
 
 def _eval_assets() -> set[str]:

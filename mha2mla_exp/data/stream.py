@@ -8,9 +8,14 @@ Split: the first `held_out_documents` documents of the stream are the held-out s
 start); the training rows are everything after them, minus any later document whose text equals a
 held-out one, so duplicates cannot leak held-out text into training.
 
+Seed: with `shuffle_rows: N` (data config) the rows are read in windows of N and each window is emitted in
+an order drawn from (run seed, window index), so two seeds see different rows at every step; without it the
+order is the mixture's alone. Fresh text has no epochs, so this is the whole of what a seed changes in the data.
+
 Resume: `state_dict()` is the dataset's own iteration state (`IterableDataset.state_dict`) plus the
-tokens read but not yet emitted as a row, so a resumed run reads exactly the rows the uninterrupted
-one would have: the row read at a step is a pure function of (mixture seed, step).
+tokens read but not yet emitted as a row (with shuffling: that state at the start of the current window and
+the position in it), so a resumed run reads exactly the rows the uninterrupted one would have: the row read
+at a step is a pure function of (mixture seed, run seed, step).
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, s
 class TrainStream:
     """Training rows `[n, seq_len]` read in order from the stream, skipping the held-out documents."""
 
-    def __init__(self, cfg: dict, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes]):
+    def __init__(self, cfg: dict, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes], *,
+                 seed: int = 0, shuffle_rows: int = 0):
         self.cfg, self.tokenizer, self.separator, self.seq_len = cfg, tokenizer, separator, seq_len
+        self.seed, self.shuffle_rows = seed, int(shuffle_rows or 0)
+        self.window: torch.Tensor | None = None  # the current window's rows, in their shuffled order
+        self.window_pos, self.windows_started, self.window_start = 0, 0, None
         self.skip = held_out_digests
         self.dataset = hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))
         self.buffer: list[int] = []
@@ -81,7 +90,42 @@ class TrainStream:
 
     def next_rows(self, n: int) -> torch.Tensor:
         """The next `n` rows; raises when the stream ends first (a finite local file)."""
+        if not self.shuffle_rows:
+            rows = self._read(n)
+        else:
+            parts, left = [], n
+            while left:
+                if self.window is None or self.window_pos == len(self.window):
+                    self._next_window()
+                take = min(left, len(self.window) - self.window_pos)
+                parts.append(self.window[self.window_pos:self.window_pos + take])
+                self.window_pos += take
+                left -= take
+            rows = torch.cat(parts)
+        self.rows_read += n
+        return rows
+
+    def skip_tokens(self, n: int) -> None:
+        """Pass over the next `n` tokens of the stream in order (samples that must not overlap an earlier one)."""
+        self._fill(n)
+        del self.buffer[:n]
+
+    def _next_window(self) -> None:
+        self.window_start = self._raw_state()
+        rows = self._read(self.shuffle_rows)
+        key = hashlib.blake2b(f"{self.seed}:{self.windows_started}".encode(), digest_size=8).digest()
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1))
+        self.window, self.window_pos = rows[order], 0
+        self.windows_started += 1
+
+    def _read(self, n: int) -> torch.Tensor:
         need = n * self.seq_len
+        self._fill(need)
+        rows = torch.tensor(self.buffer[:need], dtype=torch.long).view(n, self.seq_len)
+        del self.buffer[:need]
+        return rows
+
+    def _fill(self, need: int) -> None:
         if self._iterator is None:
             self._iterator = self._texts()
         while len(self.buffer) < need:
@@ -95,10 +139,6 @@ class TrainStream:
                 self.buffer.extend(ids)
                 self.buffer.append(self.separator)
             self.documents_read += len(chunk)
-        rows = torch.tensor(self.buffer[:need], dtype=torch.long).view(n, self.seq_len)
-        del self.buffer[:need]
-        self.rows_read += n
-        return rows
 
     def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
         """The rows of global step `step`; a stream is read in order, so steps come one after another."""
@@ -112,16 +152,29 @@ class TrainStream:
 
     tokens_available = None  # unbounded
 
-    def state_dict(self) -> dict:
-        return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer), "rows_read": self.rows_read,
+    def _raw_state(self) -> dict:
+        return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer),
                 "documents_read": self.documents_read, "skipped_head": self._skipped_head}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_raw_state(self, state: dict) -> None:
         self.dataset.load_state_dict(state["dataset"])
         self.buffer = list(state["buffer"])
-        self.rows_read, self.documents_read = state["rows_read"], state["documents_read"]
-        self._skipped_head = state["skipped_head"]
+        self.documents_read, self._skipped_head = state["documents_read"], state["skipped_head"]
         self._iterator = None
+
+    def state_dict(self) -> dict:
+        if self.window is None:
+            return self._raw_state() | {"rows_read": self.rows_read, "windows_started": self.windows_started}
+        return self.window_start | {"rows_read": self.rows_read, "windows_started": self.windows_started - 1,
+                                    "window_pos": self.window_pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_raw_state(state)
+        self.rows_read, self.windows_started = state["rows_read"], state.get("windows_started", 0)
+        self.window = None
+        if "window_pos" in state:  # inside a window: read it again from its start, then go to the position
+            self._next_window()
+            self.window_pos = state["window_pos"]
 
 
 class StreamExhausted(RuntimeError):

@@ -246,7 +246,7 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
         if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
             record["distill"] = json.loads(done.read_text())
         else:
-            record["distill"] = stages.distill(cfg, original, model, data)
+            record["distill"] = stages.distill(cfg, plan, original, model, data)
             if dist.is_main_process:
                 write_json_atomic(done, record["distill"])
         timings["distill_s"] = record["distill"]["seconds"]

@@ -87,6 +87,21 @@ def calibration_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tens
     return list(sample(data, n=c.num_sequences, seq_len=c.seq_len, batch_size=c.batch_size))
 
 
+def stream_offsets(cfg: DictConfig, plan: RunPlan) -> dict[str, int]:
+    """Where each stage's sample starts in a streamed corpus, read in order: calibration at its head, the
+    KV-budget search's after it, then layer-wise distillation's, one block per seed, so that no two stages
+    (and no two seeds' distillations) read the same text. A finite corpus draws with seeds of its own instead."""
+    calibration = 0
+    if plan.spec is not None and plan.spec.needs_calibration:
+        calibration = int(cfg.calibration.num_sequences) * int(cfg.calibration.seq_len)
+    selection = 0
+    if plan.spec is not None and plan.spec.searches:
+        selection = int(cfg.svd.selection.num_sequences) * int(cfg.svd.selection.seq_len)
+    distill = int(cfg.distill.sequences) * int(cfg.distill.seq_len)
+    return {"calibration": 0, "selection": calibration,
+            "distill": calibration + selection + int(cfg.seed) * distill}
+
+
 def selection_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor] | None:
     """The rows a KV-budget search scores its candidate splits on (`svd.selection`): train split, a seed of
     their own (calibration draws with 0, layer-wise distillation with `seed + 1`); None when nothing is searched."""
@@ -95,7 +110,8 @@ def selection_batches(cfg: DictConfig, plan: RunPlan, data) -> list[torch.Tensor
     from ..data import calibration_batches as sample
 
     s = cfg.svd.selection
-    return list(sample(data, n=s.num_sequences, seq_len=s.seq_len, batch_size=s.batch_size, seed=cfg.seed + 2))
+    return list(sample(data, n=s.num_sequences, seq_len=s.seq_len, batch_size=s.batch_size, seed=cfg.seed + 2,
+                       stream_offset=stream_offsets(cfg, plan)["selection"]))
 
 
 def convert(plan: RunPlan, model, calibration, selection=None):
@@ -106,14 +122,15 @@ def convert(plan: RunPlan, model, calibration, selection=None):
     return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration, selection=selection)
 
 
-def distill(cfg: DictConfig, teacher, student, data) -> dict:
+def distill(cfg: DictConfig, plan: RunPlan, teacher, student, data) -> dict:
     """Layer-wise distillation of the converted attention blocks on train-split samples."""
     from ..data import calibration_batches as sample
     from ..train.distill import distill_attention_layers
 
     d = cfg.distill
-    # a different seed from the calibration sample, so the two stages see different text
-    batches = list(sample(data, n=d.sequences, seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.seed + 1))
+    # a different seed (a finite corpus) or offset (a stream) from the calibration sample: other text
+    batches = list(sample(data, n=d.sequences, seq_len=d.seq_len, batch_size=d.batch_size, seed=cfg.seed + 1,
+                          stream_offset=stream_offsets(cfg, plan)["distill"]))
     return distill_attention_layers(teacher, student, batches, epochs=d.epochs, lr=d.lr)
 
 

@@ -5,9 +5,9 @@ from .budget import Budget, check_epochs, plan_budget, pretrain_share_pct
 from .objectives import OBJECTIVES, build_objective
 from .precision import MODES as PRECISION_MODES
 from .precision import Precision, precision_for
-from .recipe import FineTuneDiverged, FineTuneRecipe, finetune, remove_checkpoint
+from .recipe import FineTuneDiverged, FineTuneRecipe, TrainingStopped, finetune, remove_checkpoint
 from .schedule import warmup_constant_sqrt_decay
 
-__all__ = ["OBJECTIVES", "PRECISION_MODES", "Budget", "FineTuneDiverged", "FineTuneRecipe", "Precision",
+__all__ = ["OBJECTIVES", "PRECISION_MODES", "Budget", "FineTuneDiverged", "FineTuneRecipe", "Precision", "TrainingStopped",
            "build_objective", "check_epochs", "finetune", "plan_budget", "precision_for", "pretrain_share_pct",
            "remove_checkpoint", "warmup_constant_sqrt_decay"]

@@ -6,7 +6,12 @@ config): every process trains; only the main process logs, probes and writes. Th
 pure function of (seed, step) (`data.rows`), laid out so N processes with the same global batch see what one
 process sees with N times the gradient accumulation: the same losses. Checkpoints are written by all
 processes into a temporary folder and swapped in by the main one between barriers, so a crash, a kill or a
-SLURM requeue resumes from the last complete one.
+SLURM requeue resumes from the last complete one (`recover_checkpoint`: also when the swap was cut).
+
+A time-limit or preemption signal (`STOP_SIGNALS`: SLURM's and submitit's SIGUSR2, SIGTERM) only sets a flag;
+at the next step boundary every process checkpoints, and then the signal's own handler runs (submitit's
+requeues the job) or, where there is none, `TrainingStopped` ends the run for a relaunch to resume: a
+requeue loses no step.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
@@ -37,6 +43,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 DIVERGENCE_FLOOR = 1.0  # nats: below it a rising loss is not called diverged
 KILL_AT_STEP_ENV = "MHA2MLA_KILL_AT_STEP"  # tests only: SIGKILL every process right after that step
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 class FineTuneDiverged(RuntimeError):
@@ -45,6 +52,42 @@ class FineTuneDiverged(RuntimeError):
     def __init__(self, step: int, loss: float, reason: str):
         super().__init__(f"fine-tune diverged at step {step}: loss={loss} ({reason})")
         self.step, self.loss = step, loss
+
+
+class TrainingStopped(BaseException):
+    """A stop signal arrived; the fine-tune checkpointed at the step boundary after it and ends here (a
+    BaseException, like KeyboardInterrupt: the run is recorded as interrupted, and a sweep does not go on)."""
+
+
+class StopSignals:
+    """Turns STOP_SIGNALS into a flag polled at step boundaries; `chained(signum)` runs the handler that was
+    installed before (submitit's requeue), if any. Installed only in the main thread (where Python allows it)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._flag)
+        return self
+
+    def _flag(self, signum, frame) -> None:
+        log.warning("%s received: checkpointing at the end of this step", signal.Signals(signum).name)
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def chained(self, signum: int) -> None:
+        handler = self.previous.get(signum)
+        if callable(handler):
+            handler(signum, None)  # submitit: requeue, then exit (rank 0) or return (the other tasks)
+        raise TrainingStopped(f"{signal.Signals(signum).name}: checkpointed for a relaunch to resume")
 
 
 class FineTuneRecipe:
@@ -64,6 +107,8 @@ class FineTuneRecipe:
         self.step_count, self.first_loss, self.last_loss = 0, None, float("nan")
         self.elapsed_before, self.probe_seconds = 0.0, 0.0
         self.probe_results: dict[int, dict] = {}
+        self.resumed_from: int | None = None
+        self.checkpointed_at: int | None = None
 
     # -------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -71,6 +116,7 @@ class FineTuneRecipe:
         # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
         on_cpu = next(self.model.parameters()).device.type == "cpu"  # the runner placed it (device=cpu on a GPU host too)
         self.accelerator = acc = Accelerator(mixed_precision="no", cpu=on_cpu)
+        set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
         self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
         model = self.model.to(dtype=precision.param_dtype)
         if cfg.freeze_non_attention:
@@ -103,6 +149,9 @@ class FineTuneRecipe:
 
     # ------------------------------------------------------------------------------------------- resume
     def resume(self) -> None:
+        if self.accelerator.is_main_process:
+            recover_checkpoint(self.ckpt)
+        self.accelerator.wait_for_everyone()
         progress = self.ckpt / "progress.json"
         if not progress.exists():
             return
@@ -111,6 +160,7 @@ class FineTuneRecipe:
         self.step_count, self.first_loss, self.elapsed_before = state["step"], state["first_loss"], state["elapsed_s"]
         self.probe_results = {int(k): v for k, v in state.get("probes", {}).items()}
         self.rows.load_state_dict(state.get("rows", {}))
+        self.resumed_from = self.step_count
         log.info("resuming fine-tune from step %d/%d", self.step_count, self.budget.steps)
 
     # --------------------------------------------------------------------------------------------- step
@@ -200,7 +250,7 @@ class FineTuneRecipe:
         if acc.is_main_process:
             progress = {"step": self.step_count, "first_loss": self.first_loss, "elapsed_s": elapsed,
                         "probes": self.probe_results, "rows": self.rows.state_dict()}
-            (tmp / "progress.json").write_text(json.dumps(progress))
+            _write_atomic(tmp / "progress.json", json.dumps(progress))
             old = self.ckpt.with_name(CHECKPOINT_DIR + ".old")
             if self.ckpt.exists():
                 self.ckpt.rename(old)
@@ -208,6 +258,7 @@ class FineTuneRecipe:
             if old.exists():
                 shutil.rmtree(old)
         acc.wait_for_everyone()
+        self.checkpointed_at = self.step_count
 
     # ------------------------------------------------------------------------------------------- finish
     def finish(self, seconds: float) -> dict:
@@ -239,6 +290,7 @@ class FineTuneRecipe:
             "precision": self.precision.to_record(),
             "processes": acc.num_processes,
             "compiled": bool(self.cfg.get("compile")),
+            "resumed_from_step": self.resumed_from,
             "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
             "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
             "heldout_ppl_probe": {str(k): v.get("heldout_ppl_probe") for k, v in sorted(self.probe_results.items())}
@@ -261,25 +313,41 @@ class FineTuneRecipe:
             self.on_log({"step": 0, "tokens": 0, "elapsed_s": 0.0} | before)
         bar = tqdm(total=total, initial=self.step_count, desc="fine-tune", unit="step",
                    disable=not acc.is_main_process)
-        while self.step_count < total:
-            loss = self.step()
-            self.last_loss = loss
-            self.first_loss = loss if self.first_loss is None else self.first_loss
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            diverged = self.divergence(loss)
-            self.log(loss, elapsed(), None if diverged else self.maybe_probe())
-            if diverged:
-                raise FineTuneDiverged(self.step_count, loss, diverged)
-            every = self.cfg.checkpoint_every
-            if every and self.step_count % every == 0 and self.step_count < total:
-                self.checkpoint(elapsed())
-            if self.fail_at_step is not None and self.step_count == self.fail_at_step:
-                raise RuntimeError(f"simulated crash at step {self.step_count}")
-            if os.environ.get(KILL_AT_STEP_ENV) == str(self.step_count):
-                os.kill(os.getpid(), signal.SIGKILL)  # a hard kill: no handler, no cleanup (tests of resume)
+        with StopSignals() as stop:
+            while self.step_count < total:
+                self._advance(bar, elapsed)
+                if self._stop_requested(stop) and self.step_count < total:
+                    if self.checkpointed_at != self.step_count:
+                        self.checkpoint(elapsed())
+                    bar.close()
+                    stop.chained(stop.received or STOP_SIGNALS[0])
         bar.close()
         return self.finish(elapsed())
+
+    def _stop_requested(self, stop: StopSignals) -> bool:
+        """Whether any process got a stop signal (they checkpoint together, so they must agree)."""
+        flag = torch.tensor(float(stop.received is not None), device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "sum").item())
+
+    def _advance(self, bar, elapsed) -> None:
+        """One step, its log line and probe, the divergence check and the periodic checkpoint."""
+        total = self.budget.steps
+        loss = self.step()
+        self.last_loss = loss
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        diverged = self.divergence(loss)
+        self.log(loss, elapsed(), None if diverged else self.maybe_probe())
+        if diverged:
+            raise FineTuneDiverged(self.step_count, loss, diverged)
+        every = self.cfg.checkpoint_every
+        if every and self.step_count % every == 0 and self.step_count < total:
+            self.checkpoint(elapsed())
+        if self.fail_at_step is not None and self.step_count == self.fail_at_step:
+            raise RuntimeError(f"simulated crash at step {self.step_count}")
+        if os.environ.get(KILL_AT_STEP_ENV) == str(self.step_count):
+            os.kill(os.getpid(), signal.SIGKILL)  # a hard kill: no handler, no cleanup (tests of resume)
 
 
 def finetune(model, rows, train_cfg, checkpoint_root: Path, **kwargs) -> tuple[torch.nn.Module, dict]:
@@ -287,6 +355,30 @@ def finetune(model, rows, train_cfg, checkpoint_root: Path, **kwargs) -> tuple[t
     recipe = FineTuneRecipe(model, rows, train_cfg, checkpoint_root, **kwargs)
     record = recipe.run()
     return recipe.model, record
+
+
+def recover_checkpoint(ckpt: Path) -> None:
+    """Make `ckpt` the newest complete checkpoint. A process stopped inside the swap of `checkpoint()` leaves
+    `checkpoint.tmp` complete (its progress.json is written last) and `checkpoint.old` holding the previous one,
+    with no `checkpoint`; resume takes the newer of the two instead of starting again from step 0."""
+    if not (ckpt / "progress.json").exists():
+        for name in (CHECKPOINT_DIR + ".tmp", CHECKPOINT_DIR + ".old"):
+            candidate = ckpt.with_name(name)
+            if (candidate / "progress.json").exists():
+                if ckpt.exists():
+                    shutil.rmtree(ckpt)
+                candidate.rename(ckpt)
+                log.info("recovered the checkpoint from %s (its swap was interrupted)", candidate.name)
+                break
+    old = ckpt.with_name(CHECKPOINT_DIR + ".old")
+    if old.exists() and (ckpt / "progress.json").exists():  # the next swap renames `checkpoint` onto it
+        shutil.rmtree(old)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def remove_checkpoint(checkpoint_root: Path) -> None:
