@@ -154,3 +154,20 @@ def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
                                                                         "d_kv": 4}
     assert record["kv"]["ratio_measured"] == pytest.approx((2 * 2 + 4) / (2 * 16))   # the saved latent's bytes
     assert record["train"] is None and record["eval"]["perplexity"]["heldout"] > 1
+
+
+def test_an_auto_precision_relaunch_resumes_in_the_mode_it_started_in_whatever_the_probe_says(tmp_path, monkeypatch):
+    from mha2mla_exp.train import precision as precision_module
+
+    extra = ("train.precision=auto", "train.checkpoint_every=2", "train.tokens=2048")
+    monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (4.6, "probe"))  # bf16 pays here
+    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *extra)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cfg, fail_at_step=3)
+    monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (1.2, "probe"))  # a busier machine
+    assert validate(cfg).precision.mode == "fp32"  # what a fresh run would now choose
+    resumed = run(cfg)
+    assert resumed["status"] == "ok" and resumed["resumed"] is True
+    assert resumed["train"]["precision"]["mode"] == "bf16-autocast" and resumed["train"]["resumed_from_step"] == 2
+    assert "earlier work" in resumed["train"]["precision"]["reason"]
+    assert len(list((tmp_path / "smoke").glob("*/results.json"))) == 1  # one run, not a second one in fp32

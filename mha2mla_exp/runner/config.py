@@ -66,11 +66,13 @@ class RunPlan:
         return digest({"trained": self.trained_hash, "eval": self.eval_hash})
 
 
-def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
+def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=None) -> RunPlan:
     """Check the composed config against the model's recorded shape facts; raise ConfigError naming
     the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable.
     `auto_precision`: the mode `train.precision=auto` chose when the run was recorded (re-planning an old run
-    without probing this machine)."""
+    without probing this machine). `bf16_pays(hidden, intermediate) -> (fast, why)`: what decides `auto` and
+    `eval.dtype=fastest` on CPU (default: this process's own timing, `cpu_bf16_pays`)."""
+    bf16_pays = bf16_pays or cpu_bf16_pays
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
     _check_source("model", check_model_config, cfg.model)
@@ -137,7 +139,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
             objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
             mode = auto_precision if cfg.train.precision == "auto" and auto_precision else cfg.train.precision
             precision = precision_for(mode, device_type, hidden_size=shape.hidden_size,
-                                      intermediate_size=intermediate_size(cfg, shape))
+                                      intermediate_size=intermediate_size(cfg, shape), bf16_pays=bf16_pays)
         except ValueError as err:
             raise ConfigError(str(err)) from err
         if objective.needs_teacher and cfg.variant != "mla":
@@ -146,7 +148,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None) -> RunPlan:
     if cfg.data.source == "hub":
         notes += _probe(lambda: probe_hub_datasets(OmegaConf.to_container(cfg.data.mixture, resolve=True)), "data")
     eval_dtype, eval_dtype_reason = resolve_eval_dtype(
-        cfg.eval.get("dtype"), device_type, bf16_pays=lambda: cpu_bf16_pays(shape.hidden_size, intermediate_size(cfg, shape)))
+        cfg.eval.get("dtype"), device_type, bf16_pays=lambda: bf16_pays(shape.hidden_size, intermediate_size(cfg, shape)))
 
     runtime = {"device_type": device_type, "precision": precision.to_record() if precision else None}
     if precision is not None:

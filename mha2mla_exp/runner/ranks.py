@@ -39,6 +39,21 @@ def same_on_every_rank(value, dist: PartialState):
     return broadcast_object_list([value])[0] if dist.num_processes > 1 else value
 
 
+def shared_bf16_verdict(dist: PartialState):
+    """`bf16_pays` for `validate`: the main process times bf16 against fp32 and every process takes its verdict,
+    so `train.precision=auto` and `eval.dtype=fastest` resolve once per launch (processes on a busy machine
+    could time it differently, and ranks training in two precisions would not even agree on a gradient's dtype).
+    Every process calls it at the same points of `validate`, as a collective must be."""
+    from ..train.precision import cpu_bf16_pays
+
+    def verdict(hidden_size: int, intermediate_size: int) -> tuple[bool, str]:
+        mine = cpu_bf16_pays(hidden_size, intermediate_size) if dist.is_main_process else None
+        fast, why = same_on_every_rank(mine, dist)
+        return fast, why if dist.num_processes == 1 else f"{why}; measured by the main process"
+
+    return verdict
+
+
 _WAIT_GROUPS: dict[float, object] = {}
 
 

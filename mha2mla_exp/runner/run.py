@@ -9,6 +9,7 @@ process writes the record, the training curve and W&B, and evaluates, while the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..mla.lowrank import FACTOR_SPLIT
 from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
-from .ranks import SLOW_EVAL_ENV, eval_wait_s, process_state, same_on_every_rank, wait_for_main_process
+from .ranks import (SLOW_EVAL_ENV, eval_wait_s, process_state, same_on_every_rank, shared_bf16_verdict,
+                    wait_for_main_process)
 from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, validate
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
@@ -42,7 +44,7 @@ def trained_model_for(cfg: DictConfig, plan: RunPlan) -> TrainedModel:
 def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's)."""
     dist = process_state(cfg)
-    plan = validate(cfg)  # every config error surfaces here, before any weight is touched
+    plan = _plan(cfg, dist)  # every config error surfaces here, before any weight is touched
     run_dir = run_dir_for(cfg, plan)
     previous = read_results(run_dir)
     if previous and previous.get("status") in FINAL_STATUSES:
@@ -124,6 +126,30 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         if record["status"] == "ok":
             print(headline(record))
     return record
+
+
+def _plan(cfg: DictConfig, dist) -> RunPlan:
+    """The validated plan, `auto` precision and `eval.dtype=fastest` decided once for every process. A probe
+    decides a fresh run, never a relaunch: where `train.precision=auto` on CPU finds work of this run only
+    under the other mode (a checkpoint, a kept model, a record: a busier machine can time bf16 the other way),
+    the run goes on in that mode, under its identity."""
+    bf16_pays = shared_bf16_verdict(dist)
+    plan = validate(cfg, bf16_pays=bf16_pays)
+    if cfg.train.get("precision") != "auto" or plan.precision is None or plan.device_type != "cpu":
+        return plan
+    other = validate(cfg, auto_precision="fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast",
+                     bf16_pays=bf16_pays)
+    if same_on_every_rank(not _has_work(cfg, plan) and _has_work(cfg, other), dist):
+        log.warning("train.precision=auto: this run's work so far is in %s; going on in it", other.precision.mode)
+        reason = f"auto on CPU: {other.precision.mode}, the mode this run's earlier work was done in"
+        return dataclasses.replace(other, precision=dataclasses.replace(other.precision, reason=reason))
+    return plan
+
+
+def _has_work(cfg: DictConfig, plan: RunPlan) -> bool:
+    trained = trained_model_for(cfg, plan)
+    return (trained.complete() or (trained.dir / "checkpoint" / "progress.json").exists()
+            or (run_dir_for(cfg, plan) / "results.json").exists())
 
 
 def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:

@@ -51,8 +51,11 @@ class Precision:
                 "optimizer_dtype": _name(self.optimizer_dtype), "reason": self.reason}
 
 
-def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, intermediate_size: int = 1536) -> Precision:
-    """The `Precision` of `mode` on `device_type` ('cuda' | 'cpu'); `auto` is resolved here."""
+def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, intermediate_size: int = 1536,
+                  bf16_pays=None) -> Precision:
+    """The `Precision` of `mode` on `device_type` ('cuda' | 'cpu'); `auto` is resolved here, on CPU by
+    `bf16_pays(hidden, intermediate)` (default: `cpu_bf16_pays`; the runner passes one that measures on the main
+    process and hands its verdict to the others, so that every process trains in the same precision)."""
     if mode not in MODES:
         raise ValueError(f"train.precision: unknown {mode!r}; expected one of {', '.join(MODES)}")
     reason = "set in the config"
@@ -60,7 +63,7 @@ def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, interm
         if device_type == "cuda":
             mode, reason = "bf16-autocast", "auto on CUDA: fp32 master weights, bf16 autocast (the paper's recipe)"
         else:
-            fast, why = cpu_bf16_pays(hidden_size, intermediate_size)
+            fast, why = (bf16_pays or cpu_bf16_pays)(hidden_size, intermediate_size)
             mode, reason = ("bf16-autocast" if fast else "fp32"), f"auto on CPU: {why}"
     bf16, fp32 = torch.bfloat16, torch.float32
     return {
