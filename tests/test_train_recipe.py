@@ -197,3 +197,11 @@ def test_objectives_mix_and_check_their_arguments():
     with pytest.raises(ValueError, match="needs the original model as teacher"):
         FineTuneRecipe(tiny_causal_lm("gqa"), rows(), train_cfg(), "/tmp", precision=precision_for("fp32", "cpu"),
                        seed=0, objective={"name": "kd"})
+
+
+def test_activation_checkpointing_recomputes_to_the_same_losses(tmp_path):
+    _, plain, plain_curve = run_recipe(tmp_path / "plain")
+    model, recomputed, curve = run_recipe(tmp_path / "recomputed", activation_checkpointing=True)
+    assert model.model.gradient_checkpointing  # it was switched on...
+    assert [r["loss"] for r in curve] == pytest.approx([r["loss"] for r in plain_curve], abs=1e-6)  # ...and is exact
+    assert recomputed["final_loss"] == pytest.approx(plain["final_loss"], abs=1e-6)

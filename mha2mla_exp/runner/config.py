@@ -15,6 +15,7 @@ from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
+from ..train.memory import MemoryEstimate, estimate_memory
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
@@ -48,6 +49,7 @@ class RunPlan:
     eval_hash: str               # this evaluation's identity
     setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
+    memory: MemoryEstimate | None = None  # per-GPU memory of the fine-tune, where train.gpu_memory_gb asks
 
     @property
     def table_variant(self) -> str:
@@ -132,7 +134,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
     if cfg.variant == "finetuned_full_attention" and not cfg.train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
     device_type = _device_type(cfg.device)
-    precision = None
+    precision = memory = None
     if fine_tune:
         _check_train(cfg)
         try:
@@ -145,6 +147,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         if objective.needs_teacher and cfg.variant != "mla":
             raise ConfigError(f"objective.name: {objective.name!r} distils the original model into its conversion; "
                               f"variant={cfg.variant!r} has no conversion")
+        memory = _check_memory(cfg, shape, precision, teacher=objective.needs_teacher, device_type=device_type)
     if cfg.data.source == "hub":
         notes += _probe(lambda: probe_hub_datasets(OmegaConf.to_container(cfg.data.mixture, resolve=True)), "data")
     eval_dtype, eval_dtype_reason = resolve_eval_dtype(
@@ -166,6 +169,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
+        memory=memory,
     )
 
 
@@ -204,7 +208,42 @@ def resolve_eval_dtype(dtype: str | None, device_type: str, *, bf16_pays=None) -
 
 
 def intermediate_size(cfg: DictConfig, shape: ModelShape) -> int:
-    return int(cfg.model.get("intermediate_size") or 4 * shape.hidden_size)
+    sizes = cfg.model.get("sizes") or {}
+    return int(sizes.get("intermediate_size") or cfg.model.get("intermediate_size") or 4 * shape.hidden_size)
+
+
+def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, teacher: bool,
+                  device_type: str) -> MemoryEstimate | None:
+    """The fine-tune's per-GPU memory where the train config states the GPU's (`train.gpu_memory_gb`); a plan
+    above it is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere)."""
+    t = cfg.train
+    strategy = t.get("strategy") or "ddp"
+    if strategy == "fsdp" and not cfg.get("dry_run"):
+        raise ConfigError("train.strategy: fsdp is planned (dry_run=true estimates it) but this version trains "
+                          "with DDP only; see docs/PAPER_SCALE.md")
+    if t.get("gpu_memory_gb") is None:
+        return None
+    sizes = cfg.model.get("sizes") or {}
+    if sizes.get("vocab_size") is None and cfg.model.get("vocab_size") is None:
+        raise ConfigError(f"model.sizes.vocab_size: the memory estimate (train.gpu_memory_gb) needs model "
+                          f"{cfg.model.get('name')!r}'s vocabulary size")
+    processes = world_size() if world_size() > 1 else int(t.get("gpus") or 1)
+    try:
+        memory = estimate_memory(
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=intermediate_size(cfg, shape),
+            vocab_size=int(sizes.get("vocab_size") or cfg.model.get("vocab_size")),
+            tied_embeddings=bool(sizes.get("tied_embeddings", True)), micro_batch_size=int(t.micro_batch_size),
+            seq_len=int(t.seq_len), processes=processes, strategy=strategy,
+            activation_checkpointing=bool(t.get("activation_checkpointing")), precision_mode=precision.mode,
+            teacher=teacher)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if (device_type == "cuda" or cfg.get("dry_run")) and memory.total_gb > float(t.gpu_memory_gb):
+        raise ConfigError(f"train.gpu_memory_gb: the fine-tune needs about {memory.describe()}, above the "
+                          f"{t.gpu_memory_gb} GB stated; use more GPUs (train.gpus), train.strategy=fsdp, "
+                          "train.activation_checkpointing=true or a smaller train.micro_batch_size")
+    return memory
 
 
 def _device_type(device: str) -> str:

@@ -28,6 +28,10 @@ EVALUATION_KEYS = ("eval", "kv_quant", "kv_measure_tokens")
 # (group, key): settings that observe a run or permit it, and never change its numbers
 OBSERVERS = (
     ("model", "paper_name"),
+    ("model", "sizes"),  # facts of the checkpoint its id already names, read by the memory estimate
+    ("model", "gpu_plan"),
+    # how a plan is laid on GPUs: DDP or FSDP, recomputed activations, the memory it is checked against
+    ("train", "strategy"), ("train", "activation_checkpointing"), ("train", "gpus"), ("train", "gpu_memory_gb"),
     ("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"), ("train", "eval_batches"),
     ("train", "epochs_allowed"),
     # how a global batch is split into processes x accumulation x micro-batches changes no number (tested);

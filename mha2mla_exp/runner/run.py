@@ -165,6 +165,8 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
                              num_processes=dist.num_processes)
         lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
                      f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
+        if plan.memory is not None:
+            lines.append(f"  GPU memory: {plan.memory.describe()}")
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
     if dist.is_main_process:

@@ -119,6 +119,8 @@ class FineTuneRecipe:
         set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
         self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
         model = self.model.to(dtype=precision.param_dtype)
+        if cfg.get("activation_checkpointing"):  # recompute each layer in the backward: memory for compute
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.freeze_non_attention:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)

@@ -1,0 +1,82 @@
+"""How much GPU memory a fine-tune needs per process, from the model's shape and the training plan alone, so
+that a plan that cannot fit is refused before a 7B model is fetched.
+
+Bytes per trained parameter: fp32 weights 4, fp32 gradients 4, AdamW's two fp32 moments 8 (every mode keeps
+fp32 master state on GPU; bf16-master adds a bf16 copy of the weights, 2). DDP keeps all of it on every
+process plus its gradient buckets (4: `gradient_as_bucket_view` is off); FSDP full-shard divides it by the
+number of processes and holds two layers gathered at a time (the one computing and the one prefetched).
+Activations, bf16, with SDPA/flash attention (no score matrix kept): ~34 x tokens x hidden bytes per layer
+(Korthikanti et al. 2022, "Reducing Activation Recomputation"); with activation checkpointing each layer keeps
+only its input (2 x tokens x hidden) and one layer is recomputed at a time. The output layer: fp32 logits and
+their gradient (8 x tokens x vocab) plus the bf16 logits under autocast (2 x tokens x vocab). A teacher (logit
+distillation) is a bf16 copy of the original. CUDA context and allocator slack: 1.5 GB plus 10 %.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+STRATEGIES = ("ddp", "fsdp")
+CONTEXT_BYTES = 1.5e9
+SLACK = 0.10
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    strategy: str
+    processes: int
+    activation_checkpointing: bool
+    parameters: int
+    parts: dict  # name -> bytes per process
+
+    @property
+    def total_bytes(self) -> float:
+        return (sum(self.parts.values()) + CONTEXT_BYTES) * (1 + SLACK)
+
+    @property
+    def total_gb(self) -> float:
+        return self.total_bytes / GB
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.parts.items())
+        return (f"{self.total_gb:.1f} GB per GPU ({self.strategy} on {self.processes} process(es), activation "
+                f"checkpointing {'on' if self.activation_checkpointing else 'off'}, {self.parameters / 1e9:.2f}B "
+                f"parameters; GB: {parts}, + context and {SLACK:.0%} slack)")
+
+
+def parameter_count(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    intermediate_size: int, vocab_size: int, tied_embeddings: bool) -> int:
+    """A Llama-family decoder's parameters (the converted model has fewer in attention: this bounds it)."""
+    attention = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads)
+    mlp = 3 * hidden_size * intermediate_size
+    embeddings = vocab_size * hidden_size * (1 if tied_embeddings else 2)
+    return num_layers * (attention + mlp + 2 * hidden_size) + embeddings + hidden_size
+
+
+def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+             intermediate_size: int, vocab_size: int, tied_embeddings: bool, micro_batch_size: int, seq_len: int,
+             processes: int, strategy: str = "ddp", activation_checkpointing: bool = False,
+             precision_mode: str = "bf16-autocast", teacher: bool = False) -> MemoryEstimate:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    p = parameter_count(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size,
+                        tied_embeddings)
+    state = 16 + (2 if precision_mode == "bf16-master" else 0)
+    layer = p / num_layers  # the embeddings' share makes this an upper bound for one decoder layer
+    tokens = micro_batch_size * seq_len
+    parts = {}
+    if strategy == "ddp":
+        parts["weights+grads+adam"] = state * p
+        parts["ddp buckets"] = 4 * p
+    else:
+        parts["weights+grads+adam (sharded)"] = state * p / processes
+        parts["gathered layers"] = 2 * 4 * layer * 2  # two layers' fp32 weights and gradients, unsharded
+    if activation_checkpointing:
+        parts["activations"] = 2 * tokens * hidden_size * num_layers + 34 * tokens * hidden_size
+    else:
+        parts["activations"] = 34 * tokens * hidden_size * num_layers
+    parts["logits"] = 10 * tokens * vocab_size
+    if teacher:
+        parts["teacher (bf16)"] = 2 * p
+    return MemoryEstimate(strategy, processes, activation_checkpointing, p, parts)

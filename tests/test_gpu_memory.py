@@ -1,0 +1,66 @@
+"""The per-GPU memory estimate that lets a paper-scale plan be refused before a 7B model is fetched: its
+parameter count is the real architecture's, its parts follow the plan, and a plan above the stated GPU memory
+is refused by the one config check, while the documented 7B plan fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mha2mla_exp.runner import validate
+from mha2mla_exp.runner.config import ConfigError
+from mha2mla_exp.train.memory import estimate_memory, parameter_count
+from tests.test_distributed import ROOT
+
+LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                 intermediate_size=11008, vocab_size=32000, tied_embeddings=False)
+
+
+@pytest.mark.parametrize("arch", [LLAMA2_7B, dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
+                                                  head_dim=64, intermediate_size=1536, vocab_size=49152,
+                                                  tied_embeddings=True)])
+def test_the_parameter_count_is_the_architectures(arch):
+    config = LlamaConfig(num_hidden_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
+                         num_attention_heads=arch["num_heads"], num_key_value_heads=arch["num_kv_heads"],
+                         head_dim=arch["head_dim"], intermediate_size=arch["intermediate_size"],
+                         vocab_size=arch["vocab_size"], tie_word_embeddings=arch["tied_embeddings"])
+    with torch.device("meta"):  # the shapes without the memory
+        model = LlamaForCausalLM(config)
+    assert parameter_count(**arch) == sum(p.numel() for p in model.parameters())
+
+
+def test_fsdp_and_activation_checkpointing_bring_the_7b_under_a_gpu_and_ddp_does_not():
+    plan = dict(LLAMA2_7B, micro_batch_size=4, seq_len=4096)
+    ddp = estimate_memory(**plan, processes=8)
+    fsdp = estimate_memory(**plan, processes=8, strategy="fsdp", activation_checkpointing=True)
+    assert ddp.parts["weights+grads+adam"] == 16 * ddp.parameters  # fp32 weights, grads, two moments
+    assert ddp.total_gb > 141 and fsdp.total_gb < 80
+    assert fsdp.parts["weights+grads+adam (sharded)"] == pytest.approx(16 * fsdp.parameters / 8)
+    recomputed = estimate_memory(**plan, processes=8, activation_checkpointing=True)
+    assert recomputed.parts["activations"] < ddp.parts["activations"] / 10
+    kd = estimate_memory(**plan, processes=8, strategy="fsdp", activation_checkpointing=True, teacher=True)
+    assert kd.parts["teacher (bf16)"] == 2 * kd.parameters
+    with pytest.raises(ValueError, match="train.strategy: unknown 'zero3'"):
+        estimate_memory(**plan, processes=8, strategy="zero3")
+
+
+def paper_plan(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=llama2_7b", "train=paper", "data=smollm_corpus_text", "+cells/table1=mla_dkv_dh_over_8",
+            "+experiment=paper_table1", "dry_run=true", *overrides])
+    return validate(cfg)
+
+
+def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monkeypatch):
+    monkeypatch.setattr("mha2mla_exp.runner.config.probe_architecture", lambda cfg: (None, []))  # offline
+    monkeypatch.setattr("mha2mla_exp.runner.config.probe_hub_datasets", lambda mixture: [])
+    plan = paper_plan()
+    assert plan.memory.strategy == "fsdp" and plan.memory.activation_checkpointing and plan.memory.processes == 8
+    assert plan.memory.total_gb < 80
+    with pytest.raises(ConfigError, match=r"train.gpu_memory_gb: the fine-tune needs about \d+\.\d GB per GPU \(ddp"):
+        paper_plan("train.strategy=ddp", "train.activation_checkpointing=false")
+    with pytest.raises(ConfigError, match="train.strategy: fsdp is planned"):
+        paper_plan("dry_run=false", "device=cpu")
