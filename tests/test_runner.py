@@ -171,3 +171,26 @@ def test_an_auto_precision_relaunch_resumes_in_the_mode_it_started_in_whatever_t
     assert resumed["train"]["precision"]["mode"] == "bf16-autocast" and resumed["train"]["resumed_from_step"] == 2
     assert "earlier work" in resumed["train"]["precision"]["reason"]
     assert len(list((tmp_path / "smoke").glob("*/results.json"))) == 1  # one run, not a second one in fp32
+
+
+def test_a_deferring_cell_ends_at_once_while_another_process_makes_its_trained_model(tmp_path):
+    from omegaconf import OmegaConf
+
+    from mha2mla_exp.runner.sweep import SweepFailed, SweepSummary
+
+    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "trained_model_busy=defer")
+    trained = trained_model_for(cfg, validate(cfg))
+    trained.dir.mkdir(parents=True)
+    with trained.lock():  # what a parallel cell holds while it fine-tunes
+        deferred = run(cfg)
+    assert deferred["status"] == "deferred" and "relaunch" in deferred["error"]
+    assert deferred["train"] is None and not trained.complete()  # nothing trained, nothing waited for
+    done = run(cfg)  # the relaunch: the lock is free, so this cell makes the model
+    assert done["status"] == "ok" and trained.complete()
+
+    cells = tmp_path / "sweep"
+    cells.mkdir()
+    (cells / "cells.jsonl").write_text('{"cell": 0, "overrides": "a", "status": "ok"}\n'
+                                       '{"cell": 1, "overrides": "b", "status": "deferred"}\n')
+    with pytest.raises(SweepFailed, match="1 cells deferred"):  # the sweep is not complete: no exit 0
+        SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(cells)}}}))

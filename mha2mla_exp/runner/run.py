@@ -115,6 +115,8 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
         record["train"] = {"diverged_at_step": err.step, "loss": err.loss}
+    except TrainedModelBusy as err:
+        record.update(status="deferred", error=str(err))
     except BaseException as err:
         record.update(status="failed" if isinstance(err, Exception) else "interrupted",
                       error="".join(traceback.format_exception_only(err)).strip())
@@ -196,6 +198,10 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
         _describe_model(record, plan, model)
         return model
 
+    if cfg.get("trained_model_busy", "wait") == "defer" and not trained.complete() and \
+            same_on_every_rank(dist.is_main_process and _made_elsewhere(trained), dist):
+        raise TrainedModelBusy(f"another process is making {trained.dir.name}; relaunch to evaluate it once it "
+                               "is kept (trained_model_busy=defer)")
     lock = trained.lock() if dist.is_main_process else contextlib.nullcontext()
     with lock:  # two evaluations of one trained model (a parallel sweep) never train it twice
         info = same_on_every_rank(_kept_info(trained), dist)
@@ -220,6 +226,24 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
             raise
     dist.wait_for_everyone()
     return model
+
+
+class TrainedModelBusy(Exception):
+    """Another process is making this run's trained model and `trained_model_busy=defer`: the cell ends at
+    once (its GPU freed) instead of waiting out the fine-tune; a relaunch evaluates the kept model."""
+
+
+def _made_elsewhere(trained: TrainedModel) -> bool:
+    """Whether another process holds the trained model's lock now (it is making the model)."""
+    from filelock import Timeout
+
+    lock = trained.lock()
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
 
 
 def _kept_info(trained: TrainedModel) -> dict | None:
