@@ -546,3 +546,24 @@ def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(t
     for seed, rows in distilled.items():
         assert not seen & {tuple(r) for r in rows.tolist()}, seed
     assert not {tuple(r) for r in distilled[0].tolist()} & {tuple(r) for r in distilled[1].tolist()}
+
+
+def test_a_stream_read_one_step_ahead_gives_the_same_rows_and_resumes_from_what_it_handed_out(tmp_path, tok):
+    from mha2mla_exp.data.stream import PrefetchedRows
+
+    rng = random.Random(4)
+    docs = [f"doc {i}: " + words(rng, rng.randint(5, 60)) for i in range(300)]
+    data = prepare_data(jsonl_stream_cfg(tmp_path, docs, held_out_documents=5) | {"shuffle_rows": 12}, tok)
+    plain = data.training_rows(16, seed=1)
+    reference = [plain.step_rows(step, 8) for step in range(8)]
+    ahead = PrefetchedRows(data.training_rows(16, seed=1))
+    for step in range(4):
+        assert torch.equal(ahead.step_rows(step, 8), reference[step])
+    ahead._ahead[2].result()  # the read ahead of step 4 has run...
+    assert ahead.stream.rows_read == 5 * 8
+    state = json.loads(json.dumps(ahead.state_dict()))
+    assert state["rows_read"] == 4 * 8   # ...but the checkpoint holds the position after the rows handed out
+    resumed = PrefetchedRows(data.training_rows(16, seed=1))
+    resumed.load_state_dict(state)
+    for step in range(4, 8):
+        assert torch.equal(resumed.step_rows(step, 8), reference[step])

@@ -177,5 +177,53 @@ class TrainStream:
             self.window_pos = state["window_pos"]
 
 
+class PrefetchedRows:
+    """A `TrainStream` read one step ahead in a background thread, so that reading, tokenizing and fetching
+    the next global batch overlaps the current step's compute instead of stalling it. Its state is the one
+    after the rows handed out (not after the step read ahead), so a checkpoint resumes exactly."""
+
+    def __init__(self, stream: TrainStream):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.stream = stream
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-prefetch")
+        self._ahead = None  # (step, rows_per_step, future of (rows, state after them))
+        self._state = stream.state_dict()
+
+    def _read(self, step: int, rows_per_step: int):
+        rows = self.stream.step_rows(step, rows_per_step)
+        return rows, self.stream.state_dict()
+
+    def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
+        if self._ahead is not None and self._ahead[:2] == (step, rows_per_step):
+            rows, state = self._ahead[2].result()
+        else:  # the first step, or a step other than the one read ahead: the stream says if it is out of order
+            if self._ahead is not None:
+                self._ahead[2].result()
+            rows, state = self._read(step, rows_per_step)
+        self._state = state
+        self._ahead = (step + 1, rows_per_step, self._pool.submit(self._read, step + 1, rows_per_step))
+        return rows
+
+    def epochs(self, rows_read: int) -> None:
+        return None
+
+    tokens_available = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.stream.seq_len
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._ahead is not None:
+            self._ahead[2].exception()  # let the read ahead finish before the stream is moved under it
+            self._ahead = None
+        self.stream.load_state_dict(state)
+        self._state = self.stream.state_dict()
+
+
 class StreamExhausted(RuntimeError):
     """A finite stream ran out before the token budget was read."""

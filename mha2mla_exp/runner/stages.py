@@ -68,11 +68,14 @@ def prepare_training_data(cfg: DictConfig, tokenizer):
 def training_rows(cfg: DictConfig, data, num_processes: int):
     """The fine-tune's rows; a budget that would repeat a finite corpus is refused here, before any weight
     is loaded, unless train.epochs_allowed says so."""
+    from ..data.stream import PrefetchedRows, TrainStream
     from ..train import check_epochs, plan_budget
 
     rows = data.training_rows(int(cfg.train.seq_len), seed=cfg.seed)
     budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.get("pretrain_tokens"), num_processes=num_processes)
     check_epochs(budget.tokens, rows.tokens_available, cfg.train.get("epochs_allowed", False))
+    if isinstance(rows, TrainStream):  # a stream is read one step ahead, off the training thread
+        return PrefetchedRows(rows)
     return rows
 
 
