@@ -108,3 +108,57 @@ def test_a_sweep_under_torchrun_outlasts_an_evaluation_longer_than_the_collectiv
     assert sorted(r["status"] for r in records) == ["ok", "ok"]
     assert sorted(r["trained_hash"] for r in records)[0] != sorted(r["trained_hash"] for r in records)[1]
     assert all(r["machine"]["processes"] == 2 for r in records)
+
+
+def test_processes_that_would_time_bf16_differently_train_in_the_main_ones_precision(tmp_path):
+    # each rank's probe is made to disagree (rank 0: bf16 pays, rank 1: it does not): one verdict must win
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "from mha2mla_exp.train import precision\n"
+        "speed = 4.6 if os.environ.get('RANK', '0') == '0' else 0.5\n"
+        "precision.cpu_bf16_speedup = lambda *a: (speed, f'faked on rank {os.environ.get(\"RANK\")}')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = launch(tmp_path / "runs", 2, "train.precision=auto", "train.tokens=1024", "train.micro_batch_size=4",
+                    "train.grad_accum=1", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [path] = list((tmp_path / "runs" / "default").glob("*/results.json"))
+    record = json.loads(path.read_text())
+    assert record["status"] == "ok" and record["machine"]["processes"] == 2
+    assert record["train"]["precision"]["mode"] == "bf16-autocast"
+    assert "faked on rank 0" in record["train"]["precision"]["reason"]
+    assert "measured by the main process" in record["train"]["precision"]["reason"]
+
+
+def test_fsdp_on_two_processes_gives_the_one_process_losses_and_a_model_that_loads(one_process, tmp_path):
+    result = launch(tmp_path, 2, "train.micro_batch_size=4", "train.grad_accum=1", "train.strategy=fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (single, single_curve), (sharded, curve) = one_process, only_record(tmp_path)
+    assert sharded["status"] == "ok" and sharded["train"]["strategy"] == "fsdp"
+    losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
+    assert [row["step"] for row in curve] == [0, *range(1, single["train"]["steps"] + 1)]
+    for row in curve[1:]:
+        assert row["loss"] == pytest.approx(losses[row["step"]], abs=1e-4)
+    # the kept model (gathered from the shards, saved by the main process) is the one evaluated: a relaunch with
+    # another evaluation loads it and scores the same held-out rows the same
+    reloaded = launch(tmp_path, 1, "train.micro_batch_size=4", "train.grad_accum=2", "kv_measure_tokens=32")
+    assert reloaded.returncode == 0, reloaded.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in (tmp_path / "default").glob("*/results.json")]
+    again = next(r for r in records if r["run_name"] != sharded["run_name"])
+    assert again["reused_trained_model"] is True
+    assert again["eval"]["perplexity"]["heldout"] == pytest.approx(sharded["eval"]["perplexity"]["heldout"], rel=1e-5)
+    assert sharded["eval"]["perplexity"]["heldout"] == pytest.approx(single["eval"]["perplexity"]["heldout"], rel=1e-3)
+
+
+def test_fsdp_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_path):
+    fsdp = ["train.micro_batch_size=4", "train.grad_accum=1", "train.strategy=fsdp"]
+    killed = launch(tmp_path, 2, *fsdp, env={"MHA2MLA_KILL_AT_STEP": "7"})
+    assert killed.returncode != 0
+    resumed = launch(tmp_path, 2, *fsdp)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (single, single_curve), (record, curve) = one_process, only_record(tmp_path)
+    assert record["train"]["resumed_from_step"] == 6
+    losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
+    for row in curve[1:]:
+        assert row["loss"] == pytest.approx(losses[row["step"]], abs=1e-4)

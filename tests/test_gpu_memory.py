@@ -62,5 +62,7 @@ def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monke
     assert plan.memory.total_gb < 80
     with pytest.raises(ConfigError, match=r"train.gpu_memory_gb: the fine-tune needs about \d+\.\d GB per GPU \(ddp"):
         paper_plan("train.strategy=ddp", "train.activation_checkpointing=false")
-    with pytest.raises(ConfigError, match="train.strategy: fsdp is planned"):
-        paper_plan("dry_run=false", "device=cpu")
+    with pytest.raises(ConfigError, match="train.strategy: fsdp shards the fp32 weights themselves; bf16-master"):
+        paper_plan("train.precision=bf16-master")
+    with pytest.raises(ConfigError, match="train.strategy: unknown 'zero3'"):
+        paper_plan("train.strategy=zero3")

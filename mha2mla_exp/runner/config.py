@@ -15,7 +15,7 @@ from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
-from ..train.memory import MemoryEstimate, estimate_memory
+from ..train.memory import STRATEGIES, MemoryEstimate, estimate_memory
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
@@ -218,9 +218,11 @@ def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, t
     above it is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere)."""
     t = cfg.train
     strategy = t.get("strategy") or "ddp"
-    if strategy == "fsdp" and not cfg.get("dry_run"):
-        raise ConfigError("train.strategy: fsdp is planned (dry_run=true estimates it) but this version trains "
-                          "with DDP only; see docs/PAPER_SCALE.md")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if strategy == "fsdp" and precision.separate_master_copy:
+        raise ConfigError(f"train.strategy: fsdp shards the fp32 weights themselves; {precision.mode} keeps a "
+                          "separate master copy it cannot shard (use bf16-autocast or fp32)")
     if t.get("gpu_memory_gb") is None:
         return None
     sizes = cfg.model.get("sizes") or {}

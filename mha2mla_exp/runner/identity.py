@@ -28,8 +28,6 @@ EVALUATION_KEYS = ("eval", "kv_quant", "kv_measure_tokens")
 # (group, key): settings that observe a run or permit it, and never change its numbers
 OBSERVERS = (
     ("model", "paper_name"),
-    ("model", "sizes"),  # facts of the checkpoint its id already names, read by the memory estimate
-    ("model", "gpu_plan"),
     # how a plan is laid on GPUs: DDP or FSDP, recomputed activations, the memory it is checked against
     ("train", "strategy"), ("train", "activation_checkpointing"), ("train", "gpus"), ("train", "gpu_memory_gb"),
     ("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"), ("train", "eval_batches"),
@@ -95,8 +93,19 @@ def digest(*parts: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
+# keys of a model's block that its id already fixes (`sizes`) or that only lay it on GPUs (`gpu_plan`); dropped
+# from the model block and from a teacher-written corpus's copy of it (`teacher: ${model}`)
+MODEL_PLANNING_KEYS = ("sizes", "gpu_plan")
+
+
 def _drop_observers(identity: dict) -> None:
     for group, key in OBSERVERS:
         block = identity.get(group)
         if isinstance(block, dict):
             block.pop(key, None)
+    teachers = [block.get("teacher") for block in (identity.get("data"), (identity.get("train") or {}).get("data"))
+                if isinstance(block, dict)]
+    for block in [identity.get("model"), *teachers]:
+        if isinstance(block, dict):
+            for key in MODEL_PLANNING_KEYS:
+                block.pop(key, None)

@@ -1,8 +1,8 @@
 """The recovery fine-tune as a recipe whose steps read in order: setup -> resume -> (step -> log -> checkpoint)*
 -> finish (as torchtune writes its recipes).
 
-On accelerate, so `accelerate launch` / `torchrun` run the same loop under DDP (or FSDP through an accelerate
-config): every process trains; only the main process logs, probes and writes. The rows a step reads are a
+On accelerate, so `accelerate launch` / `torchrun` run the same loop under DDP, or with `train.strategy=fsdp`
+fully sharded (`train.sharding`): every process trains; only the main process logs and writes. The rows a step reads are a
 pure function of (seed, step) (`data.rows`), laid out so N processes with the same global batch see what one
 process sees with N times the gradient accumulation: the same losses. Checkpoints are written by all
 processes into a temporary folder and swapped in by the main one between barriers, so a crash, a kill or a
@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
 from .budget import plan_budget, pretrain_share_pct
+from . import sharding
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
 from .precision import Precision
@@ -108,6 +109,7 @@ class FineTuneRecipe:
         self.elapsed_before, self.probe_seconds = 0.0, 0.0
         self.probe_results: dict[int, dict] = {}
         self.resumed_from: int | None = None
+        self.sharded = False  # FSDP: set by setup() where train.strategy=fsdp and there are several processes
         self.checkpointed_at: int | None = None
 
     # -------------------------------------------------------------------------------------------- setup
@@ -124,6 +126,9 @@ class FineTuneRecipe:
         if cfg.freeze_non_attention:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)
+        self.sharded = cfg.get("strategy", "ddp") == "fsdp" and acc.num_processes > 1
+        if self.sharded:  # before the optimizer: sharding replaces the parameters
+            sharding.shard(model, acc.device.type, acc.num_processes)
         trained = [p for p in model.parameters() if p.requires_grad]
         self.master = MasterWeights(trained) if precision.separate_master_copy else None
         targets = self.master.master if self.master else trained
@@ -143,6 +148,8 @@ class FineTuneRecipe:
             self.model = acc.prepare(model)
             self.optimizer = optimizer
             acc.register_for_checkpointing(self.optimizer, self.master)
+        elif self.sharded:  # FSDP2 syncs its own gradients; the checkpoint holds its gathered state
+            self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = acc.prepare(model, optimizer)
         acc.register_for_checkpointing(self.scheduler)
@@ -158,6 +165,9 @@ class FineTuneRecipe:
         if not progress.exists():
             return
         self.accelerator.load_state(str(self.ckpt))
+        if self.sharded:
+            state = torch.load(self.ckpt / sharding.STATE_FILE, map_location="cpu", weights_only=False)
+            sharding.load_full_state(self.model, self.optimizer, state)
         state = json.loads(progress.read_text())
         self.step_count, self.first_loss, self.elapsed_before = state["step"], state["first_loss"], state["elapsed_s"]
         self.probe_results = {int(k): v for k, v in state.get("probes", {}).items()}
@@ -183,7 +193,10 @@ class FineTuneRecipe:
                 with torch.no_grad():
                     teacher_logits = self.teacher(input_ids=batch, use_cache=False).logits
             last = micro == cfg.grad_accum - 1
-            with (contextlib.nullcontext() if last else acc.no_sync(self.model)), self._compute():
+            if self.sharded:
+                self.model.set_requires_gradient_sync(last)
+            no_sync = contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model)
+            with no_sync, self._compute():
                 logits = self.model(input_ids=batch, use_cache=False).logits
                 loss = self.objective(logits, batch, teacher_logits) / cfg.grad_accum
             acc.backward(loss)
@@ -191,6 +204,8 @@ class FineTuneRecipe:
         if self.master:
             self.master.grads_to_master()
             torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
+        elif self.sharded:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
         else:
             acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
         self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this update used (logged with it)
@@ -223,14 +238,16 @@ class FineTuneRecipe:
         return None
 
     def maybe_probe(self) -> dict | None:
-        """Held-out perplexity before the first step, every `eval_every` steps and after the last (main process)."""
+        """Held-out perplexity before the first step, every `eval_every` steps and after the last (main process;
+        every process when sharded, since each holds a piece of every weight)."""
         every = int(self.cfg.get("eval_every") or 0)
         at = self.step_count
         due = at in (0, self.budget.steps) or (every and at % every == 0)
-        if not self.probe or not due or at in self.probe_results or not self.accelerator.is_main_process:
+        here = self.accelerator.is_main_process or self.sharded
+        if not self.probe or not due or at in self.probe_results or not here:
             return None
         t = time.perf_counter()
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.model if self.sharded else self.accelerator.unwrap_model(self.model)
         model.eval()
         with torch.no_grad():  # in the weights' own dtype, never under autocast
             result = self.probe(model)
@@ -248,6 +265,10 @@ class FineTuneRecipe:
             shutil.rmtree(tmp)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings share storage
+        if self.sharded:
+            state = sharding.full_state(self.model, self.optimizer)  # collective
+            if acc.is_main_process:
+                torch.save(state, tmp / sharding.STATE_FILE)
         acc.wait_for_everyone()
         if acc.is_main_process:
             progress = {"step": self.step_count, "first_loss": self.first_loss, "elapsed_s": elapsed,
@@ -266,6 +287,10 @@ class FineTuneRecipe:
     def finish(self, seconds: float) -> dict:
         acc = self.accelerator
         model = acc.unwrap_model(self.model)
+        if self.sharded:  # gathered on every process; the main one keeps a plain copy to evaluate and save
+            weights = sharding.full_state(self.model, self.optimizer)["model"]
+            if acc.is_main_process:
+                model = sharding.unsharded_copy(self.model, weights)
         if "forward" in vars(model):  # the compiled forward: evaluation's many shapes would recompile it
             del model.forward
         if self.master:
@@ -291,6 +316,7 @@ class FineTuneRecipe:
             "mfu": _mfu(flops, acc),
             "precision": self.precision.to_record(),
             "processes": acc.num_processes,
+            "strategy": "fsdp" if self.sharded else "ddp" if acc.num_processes > 1 else "single",
             "compiled": bool(self.cfg.get("compile")),
             "resumed_from_step": self.resumed_from,
             "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
