@@ -162,3 +162,45 @@ def test_fsdp_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_pa
     losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
     for row in curve[1:]:
         assert row["loss"] == pytest.approx(losses[row["step"]], abs=1e-4)
+
+
+def test_a_stream_read_by_the_main_process_alone_gives_two_processes_the_one_process_losses(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    words = ["union", "state", "congress", "nation", "peace", "law", "trade", "people", "year", "the", "of"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))})
+                              + "\n" for _ in range(600)))
+    mixture = f'[{{name: toy, path: json, data_files: "{corpus}", weight: 1.0, text_field: text}}]'
+    streamed = [o for o in COMMON if not o.startswith("data.max_documents")] + [
+        "data=smollm_corpus", f"data.mixture={mixture}", "data.held_out_documents=40", "data.seq_len=32",
+        "data.shuffle_rows=16"]
+
+    site = tmp_path / "site"  # rank 1 may not read the training stream at all: its rows come from rank 0
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from mha2mla_exp.data import stream\n"
+        "    def refuse(self, *a):\n"
+        "        raise AssertionError('rank 1 read the training stream')\n"
+        "    stream.TrainStream.step_rows = refuse\n")
+
+    def curve_of(out, processes, accumulation):
+        cmd = [sys.executable, "-m", "mha2mla_exp"] if processes == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            "-m", "mha2mla_exp"]
+        env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run([*cmd, *streamed, "train.micro_batch_size=4", f"train.grad_accum={accumulation}",
+                                 f"results_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        record, metrics = only_record(out)
+        assert record["data"]["streamed"] is True
+        return {row["step"]: row["loss"] for row in metrics if "loss" in row}
+
+    one, two = curve_of(tmp_path / "one", 1, 2), curve_of(tmp_path / "two", 2, 1)
+    assert sorted(two) == sorted(one) and len(one) == 4096 // (32 * 8)
+    for step, loss in two.items():
+        assert loss == pytest.approx(one[step], abs=2e-5)

@@ -180,7 +180,9 @@ class TrainStream:
 class PrefetchedRows:
     """A `TrainStream` read one step ahead in a background thread, so that reading, tokenizing and fetching
     the next global batch overlaps the current step's compute instead of stalling it. Its state is the one
-    after the rows handed out (not after the step read ahead), so a checkpoint resumes exactly."""
+    after the rows handed out (not after the step read ahead), so a checkpoint resumes exactly. Under several
+    processes (`read_on_main_process_only`) only the main one reads the stream and sends each step's rows to
+    the others, instead of every process reading, tokenizing and fetching the whole global batch."""
 
     def __init__(self, stream: TrainStream):
         from concurrent.futures import ThreadPoolExecutor
@@ -189,10 +191,29 @@ class PrefetchedRows:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-prefetch")
         self._ahead = None  # (step, rows_per_step, future of (rows, state after them))
         self._state = stream.state_dict()
+        self._shared = None  # (is the main process, the gloo group the rows travel on)
+
+    def read_on_main_process_only(self, is_main: bool, group) -> None:
+        self._shared = (is_main, group)
 
     def _read(self, step: int, rows_per_step: int):
-        rows = self.stream.step_rows(step, rows_per_step)
-        return rows, self.stream.state_dict()
+        if self._shared is None:
+            rows = self.stream.step_rows(step, rows_per_step)
+            return rows, self.stream.state_dict()
+        import torch.distributed as td
+
+        is_main, group = self._shared
+        payload, state = [None], None
+        if is_main:
+            try:
+                payload = [self.stream.step_rows(step, rows_per_step)]
+                state = self.stream.state_dict()  # only the main process writes the checkpoint's progress
+            except StreamExhausted as err:
+                payload = [err]
+        td.broadcast_object_list(payload, src=0, group=group)  # its own group: safe beside the training's
+        if isinstance(payload[0], StreamExhausted):
+            raise payload[0]
+        return payload[0], state
 
     def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
         if self._ahead is not None and self._ahead[:2] == (step, rows_per_step):

@@ -120,6 +120,10 @@ class FineTuneRecipe:
         self.accelerator = acc = Accelerator(mixed_precision="no", cpu=on_cpu)
         set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
         self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
+        if acc.num_processes > 1 and hasattr(self.rows, "read_on_main_process_only"):  # a stream: read it once
+            import torch.distributed as td
+
+            self.rows.read_on_main_process_only(acc.is_main_process, td.new_group(backend="gloo"))
         model = self.model.to(dtype=precision.param_dtype)
         if cfg.get("activation_checkpointing"):  # recompute each layer in the backward: memory for compute
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
