@@ -2,8 +2,8 @@
 -> finish (as torchtune writes its recipes).
 
 On accelerate, so `accelerate launch` / `torchrun` run the same loop under DDP, or with `train.strategy=fsdp`
-fully sharded (`train.sharding`): every process trains; only the main process logs and writes. The rows a step reads are a
-pure function of (seed, step) (`data.rows`), laid out so N processes with the same global batch see what one
+fully sharded (`train.sharding`): every process trains; only the main process logs and writes. The rows a step
+reads are a pure function of (seed, step) (`data.rows`), laid out so N processes with the same global batch see what one
 process sees with N times the gradient accumulation: the same losses. Checkpoints are written by all
 processes into a temporary folder and swapped in by the main one between barriers, so a crash, a kill or a
 SLURM requeue resumes from the last complete one (`recover_checkpoint`: also when the swap was cut).
@@ -32,8 +32,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
-from .budget import plan_budget, pretrain_share_pct
 from . import sharding
+from .budget import plan_budget, pretrain_share_pct
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
 from .precision import Precision
