@@ -126,7 +126,7 @@ class FineTuneRecipe:
             self.rows.read_on_main_process_only(acc.is_main_process, td.new_group(backend="gloo"))
         model = self.model.to(dtype=precision.param_dtype)
         if cfg.get("activation_checkpointing"):  # recompute each layer in the backward: memory for compute
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if cfg.freeze_non_attention:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)
