@@ -129,6 +129,19 @@ def test_processes_that_would_time_bf16_differently_train_in_the_main_ones_preci
     assert record["train"]["precision"]["mode"] == "bf16-autocast"
     assert "faked on rank 0" in record["train"]["precision"]["reason"]
     assert "measured by the main process" in record["train"]["precision"]["reason"]
+    # both ranks computed in bf16: the losses are one process's in bf16-autocast (a rank left in fp32 moves them)
+    reference = launch(tmp_path / "one", 1, "train.precision=bf16-autocast", "train.tokens=1024",
+                       "train.micro_batch_size=4", "train.grad_accum=2")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    [one] = list((tmp_path / "one" / "default").glob("*/metrics.jsonl"))
+    expected = {r["step"]: r["loss"] for r in map(json.loads, one.read_text().splitlines()) if "loss" in r}
+    got = {r["step"]: r["loss"] for r in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
+           if "loss" in r}
+    assert sorted(got) == sorted(expected)
+    # step 1 starts from the same weights: only the precision can move it (fp32 against bf16 is ~2e-5 here)
+    assert got[1] == pytest.approx(expected[1], abs=2e-6)
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], abs=1e-4)
 
 
 def test_fsdp_on_two_processes_gives_the_one_process_losses_and_a_model_that_loads(one_process, tmp_path):
