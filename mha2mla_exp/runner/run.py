@@ -139,9 +139,11 @@ def _plan(cfg: DictConfig, dist) -> RunPlan:
     plan = validate(cfg, bf16_pays=bf16_pays)
     if cfg.train.get("precision") != "auto" or plan.precision is None or plan.device_type != "cpu":
         return plan
+    if same_on_every_rank(_has_work(cfg, plan), dist):  # the usual case: no second validation at start-up
+        return plan
     other = validate(cfg, auto_precision="fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast",
                      bf16_pays=bf16_pays)
-    if same_on_every_rank(not _has_work(cfg, plan) and _has_work(cfg, other), dist):
+    if same_on_every_rank(_has_work(cfg, other), dist):
         log.warning("train.precision=auto: this run's work so far is in %s; going on in it", other.precision.mode)
         reason = f"auto on CPU: {other.precision.mode}, the mode this run's earlier work was done in"
         return dataclasses.replace(other, precision=dataclasses.replace(other.precision, reason=reason))

@@ -53,8 +53,7 @@ def load_full_state(model, optimizer, state: dict) -> None:
 def unsharded_copy(model: torch.nn.Module, model_state: dict) -> torch.nn.Module:
     """A plain module of the model's own class holding the gathered weights: what the main process evaluates
     and saves (a sharded module would wait for the other processes at every forward)."""
-    cls = next(c for c in type(model).__mro__[1:] if not c.__name__.startswith("FSDP") and c.__module__ !=
-               "torch.distributed.fsdp._fully_shard._fully_shard")
+    cls = type(model).__bases__[-1]  # fully_shard made the class (FSDPModule, the model's own class)
     plain = cls(model.config)
     missing, unexpected = plain.load_state_dict(model_state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
