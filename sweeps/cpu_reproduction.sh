@@ -6,6 +6,7 @@
 #        recovery_lr_screen|recovery_study|cpu10x_table3|cpu10x_table5|cpu10x_seed1|cpu10x_table1|teacher_recovery|all]
 #        [extra overrides, e.g. results_dir=results/runs]
 set -euo pipefail
+source "$(dirname "$0")/cpu_allocator.sh"
 what=${1:-all}; shift || true
 for experiment in recovery cpu_table3 cpu_table1 cpu_table5 headline eval_original passkey_nope kv_precision_cpu \
     kv_precision_cpu_transformers rorope_zero_shot rorope_recovery cpu_precision recovery_lr_screen recovery_study \

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mha2mla_exp.runner import validate
 from mha2mla_exp.runner.config import ConfigError
+from mha2mla_exp.train.loss_head import CHUNK_ROWS
 from mha2mla_exp.train.memory import estimate_memory, parameter_count
 from tests.test_distributed import ROOT
 
@@ -42,6 +43,8 @@ def test_fsdp_and_activation_checkpointing_bring_the_7b_under_a_gpu_and_ddp_does
     assert recomputed.parts["activations"] < ddp.parts["activations"] / 10
     kd = estimate_memory(**plan, processes=8, strategy="fsdp", activation_checkpointing=True, teacher=True)
     assert kd.parts["teacher (bf16)"] == 2 * kd.parameters
+    chunked = estimate_memory(**plan, processes=8, strategy="fsdp", activation_checkpointing=True, fused_loss=True)
+    assert chunked.parts["logits"] == 10 * CHUNK_ROWS * LLAMA2_7B["vocab_size"] < fsdp.parts["logits"] / 10
     with pytest.raises(ValueError, match="train.strategy: unknown 'zero3'"):
         estimate_memory(**plan, processes=8, strategy="zero3")
 

@@ -15,6 +15,7 @@ from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
+from ..train.optimizer import optimizer_impl
 from ..train.memory import STRATEGIES, MemoryEstimate, estimate_memory
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
@@ -238,7 +239,7 @@ def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, t
             tied_embeddings=bool(sizes.get("tied_embeddings", True)), micro_batch_size=int(t.micro_batch_size),
             seq_len=int(t.seq_len), processes=processes, strategy=strategy,
             activation_checkpointing=bool(t.get("activation_checkpointing")), precision_mode=precision.mode,
-            teacher=teacher)
+            teacher=teacher, fused_loss=bool(t.get("fused_loss")))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if (device_type == "cuda" or cfg.get("dry_run")) and memory.total_gb > float(t.gpu_memory_gb):
@@ -275,6 +276,10 @@ def _check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.grad_accum: micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x "
                           f"{world} processes = {global_batch_rows(t)} rows per step, but global_batch_rows is "
                           f"{wanted}: {hint}")
+    try:
+        optimizer_impl(t)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     context = cfg.model.shape.get("context_length")
     if context and int(t.seq_len) > int(context):
         raise ConfigError(f"train.seq_len: {t.seq_len} is longer than model {cfg.model.name!r}'s context of "

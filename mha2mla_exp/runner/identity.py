@@ -35,6 +35,8 @@ OBSERVERS = (
     # how a global batch is split into processes x accumulation x micro-batches changes no number (tested);
     # the global batch itself is in the runtime identity
     ("train", "micro_batch_size"), ("train", "grad_accum"), ("train", "global_batch_rows"),
+    # how a step is computed: the same loss and gradients as the plain path within float rounding (tested)
+    ("train", "fused_loss"), ("train", "optimizer_impl"),
 )
 
 

@@ -164,11 +164,14 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
         lines.append(f"  trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})")
     if plan.fine_tune:
         from ..train import plan_budget
+        from ..train.optimizer import optimizer_impl
 
         budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.get("pretrain_tokens"),
                              num_processes=dist.num_processes)
         lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
                      f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
+        lines.append(f"  step: {'chunked loss' if cfg.train.get('fused_loss') else 'full logits'}, "
+                     f"{optimizer_impl(cfg.train)} AdamW (train.fused_loss, train.optimizer_impl)")
         if plan.memory is not None:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")

@@ -8,13 +8,16 @@ number of processes and holds two layers gathered at a time (the one computing a
 Activations, bf16, with SDPA/flash attention (no score matrix kept): ~34 x tokens x hidden bytes per layer
 (Korthikanti et al. 2022, "Reducing Activation Recomputation"); with activation checkpointing each layer keeps
 only its input (2 x tokens x hidden) and one layer is recomputed at a time. The output layer: fp32 logits and
-their gradient (8 x tokens x vocab) plus the bf16 logits under autocast (2 x tokens x vocab). A teacher (logit
-distillation) is a bf16 copy of the original. CUDA context and allocator slack: 1.5 GB plus 10 %.
+their gradient (8 x tokens x vocab) plus the bf16 logits under autocast (2 x tokens x vocab), of a micro-batch's
+tokens, or of one chunk's (`loss_head.CHUNK_ROWS`) with `train.fused_loss`. A teacher (logit distillation) is a
+bf16 copy of the original. CUDA context and allocator slack: 1.5 GB plus 10 %.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .loss_head import CHUNK_ROWS
 
 GB = 1e9
 STRATEGIES = ("ddp", "fsdp")
@@ -57,7 +60,7 @@ def parameter_count(num_layers: int, hidden_size: int, num_heads: int, num_kv_he
 def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
              intermediate_size: int, vocab_size: int, tied_embeddings: bool, micro_batch_size: int, seq_len: int,
              processes: int, strategy: str = "ddp", activation_checkpointing: bool = False,
-             precision_mode: str = "bf16-autocast", teacher: bool = False) -> MemoryEstimate:
+             precision_mode: str = "bf16-autocast", teacher: bool = False, fused_loss: bool = False) -> MemoryEstimate:
     if strategy not in STRATEGIES:
         raise ValueError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     p = parameter_count(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size,
@@ -76,7 +79,7 @@ def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv
         parts["activations"] = 2 * tokens * hidden_size * num_layers + 34 * tokens * hidden_size
     else:
         parts["activations"] = 34 * tokens * hidden_size * num_layers
-    parts["logits"] = 10 * tokens * vocab_size
+    parts["logits"] = 10 * (min(tokens, CHUNK_ROWS) if fused_loss else tokens) * vocab_size
     if teacher:
         parts["teacher (bf16)"] = 2 * p
     return MemoryEstimate(strategy, processes, activation_checkpointing, p, parts)

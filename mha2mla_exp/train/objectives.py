@@ -37,29 +37,38 @@ class Objective(Registered):
     registry = OBJECTIVES
     needs_teacher = False
 
-    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torch.Tensor | None):
-        """A scalar loss from the student's logits `[B, T, V]` on `input_ids` `[B, T]`."""
+    def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor,
+                       teacher_logits: torch.Tensor | None) -> torch.Tensor:
+        """The objective summed over N scored positions: `logits` `[N, V]` predict `targets` `[N]`; the one
+        definition of the method, used on full logits (`__call__`) and chunk by chunk (train/loss_head.py)."""
         raise NotImplementedError
 
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor, teacher_logits: torch.Tensor | None = None):
+        """The per-token mean loss of the student's logits `[B, T, V]` on `input_ids` `[B, T]`: positions
+        0..T-2 predict 1..T-1 (as transformers' causal-LM loss)."""
+        scored, targets = logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
+        teacher = None if teacher_logits is None else teacher_logits[:, :-1].flatten(0, 1)
+        return self.token_loss_sum(scored, targets, teacher) / targets.numel()
 
-def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (as transformers' causal-LM loss: fp32, positions 0..T-2 predict 1..T-1)."""
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+
+def next_token_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over positions, in fp32."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
-def forward_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-token mean of KL(teacher || student) over positions 0..T-2 (those the CE scores), times tau^2."""
-    student = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    teacher = F.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)
-    kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)
-    return kl.mean() * temperature**2
+def forward_kl_sum(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) at temperature tau summed over positions, times tau^2, in fp32."""
+    student = F.log_softmax(logits.float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="sum") * temperature**2
 
 
 @dataclass
 class CrossEntropy(Objective):
     name = "ce"
-    def __call__(self, logits, input_ids, teacher_logits=None):
-        return next_token_ce(logits, input_ids)
+
+    def token_loss_sum(self, logits, targets, teacher_logits=None):
+        return next_token_ce_sum(logits, targets)
 
 
 @dataclass
@@ -72,8 +81,8 @@ class LogitDistillation(Objective):
         if not self.temperature > 0:
             raise ValueError(f"objective.temperature: must be positive, got {self.temperature}")
 
-    def __call__(self, logits, input_ids, teacher_logits):
-        return forward_kl(logits, teacher_logits, self.temperature)
+    def token_loss_sum(self, logits, targets, teacher_logits):
+        return forward_kl_sum(logits, teacher_logits, self.temperature)
 
 
 @dataclass
@@ -89,6 +98,6 @@ class CrossEntropyAndDistillation(Objective):
         if not self.temperature > 0:
             raise ValueError(f"objective.temperature: must be positive, got {self.temperature}")
 
-    def __call__(self, logits, input_ids, teacher_logits):
-        ce = next_token_ce(logits, input_ids)
-        return (1 - self.kd_weight) * ce + self.kd_weight * forward_kl(logits, teacher_logits, self.temperature)
+    def token_loss_sum(self, logits, targets, teacher_logits):
+        ce = next_token_ce_sum(logits, targets)
+        return (1 - self.kd_weight) * ce + self.kd_weight * forward_kl_sum(logits, teacher_logits, self.temperature)

@@ -29,13 +29,16 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
 from . import sharding
 from .budget import plan_budget, pretrain_share_pct
+from .loss_head import loss_head_for
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
+from .optimizer import adamw, optimizer_impl
 from .precision import Precision
 from .schedule import warmup_constant_sqrt_decay
 
@@ -138,16 +141,16 @@ class FineTuneRecipe:
         targets = self.master.master if self.master else trained
         decay = [t for p, t in zip(trained, targets) if p.dim() >= 2]  # no decay on biases and norm weights
         no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        )
+        optimizer = adamw([{"params": decay, "weight_decay": cfg.weight_decay},
+                           {"params": no_decay, "weight_decay": 0.0}], cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_constant_sqrt_decay(self.budget.steps, cfg.warmup_steps, cfg.decay_fraction)
         )
         model.train()
-        if cfg.get("compile"):  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation
-            model.forward = torch.compile(model.forward, dynamic=False)
+        self.loss_head = loss_head_for(model, bool(cfg.get("fused_loss")))
+        if cfg.get("compile"):  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation.
+            # The decoder, not the whole causal LM: the output layer and the loss stay eager (train/loss_head.py)
+            model.model.forward = torch.compile(model.model.forward, dynamic=False)
         if self.master:  # the optimizer steps on the master copies, which no process shares: checkpoint them as objects
             self.model = acc.prepare(model)
             self.optimizer = optimizer
@@ -192,33 +195,34 @@ class FineTuneRecipe:
         total = torch.zeros((), device=acc.device)
         for micro in range(cfg.grad_accum):
             batch = local_rows(rows, micro, acc.process_index, acc.num_processes, cfg.micro_batch_size).to(acc.device)
-            teacher_logits = None
+            teacher_outputs = None
             if self.teacher is not None:
-                with torch.no_grad():
-                    teacher_logits = self.teacher(input_ids=batch, use_cache=False).logits
+                with torch.no_grad(), record_function("teacher"):
+                    teacher_outputs = self.loss_head.teacher_outputs(self.teacher, batch)
             last = micro == cfg.grad_accum - 1
             if self.sharded:
                 self.model.set_requires_gradient_sync(last)
             no_sync = contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model)
-            with no_sync, self._compute():
-                logits = self.model(input_ids=batch, use_cache=False).logits
-                loss = self.objective(logits, batch, teacher_logits) / cfg.grad_accum
-            acc.backward(loss)
+            with no_sync, self._compute(), record_function("forward"):
+                loss = self.loss_head(self.model, batch, self.objective, teacher_outputs) / cfg.grad_accum
+            with record_function("backward"):
+                acc.backward(loss)
             total += loss.detach().float()
-        if self.master:
-            self.master.grads_to_master()
-            torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
-        elif self.sharded:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
-        else:
-            acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
-        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this update used (logged with it)
-        self.optimizer.step()
-        if self.master:
-            self.master.master_to_model()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        with record_function("optimizer"):
+            if self.master:
+                self.master.grads_to_master()
+                torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
+            elif self.sharded:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+            else:
+                acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
+            self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this update used (logged with it)
+            self.optimizer.step()
+            if self.master:
+                self.master.master_to_model()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
         self.step_count += 1
         return acc.reduce(total, "mean").item()
 
@@ -295,8 +299,8 @@ class FineTuneRecipe:
             weights = sharding.full_state(self.model, self.optimizer)["model"]
             if acc.is_main_process:
                 model = sharding.unsharded_copy(self.model, weights)
-        if "forward" in vars(model):  # the compiled forward: evaluation's many shapes would recompile it
-            del model.forward
+        if "forward" in vars(model.model):  # the compiled forward: evaluation's many shapes would recompile it
+            del model.model.forward
         if self.master:
             self.master.restore_fp32(model)  # keep the exact trained weights, not their bf16 rounding
         model.eval()
@@ -322,6 +326,8 @@ class FineTuneRecipe:
             "processes": acc.num_processes,
             "strategy": "fsdp" if self.sharded else "ddp" if acc.num_processes > 1 else "single",
             "compiled": bool(self.cfg.get("compile")),
+            "loss_path": self.loss_head.name,
+            "optimizer_impl": optimizer_impl(self.cfg),
             "resumed_from_step": self.resumed_from,
             "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
             "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
