@@ -167,7 +167,8 @@ def write_readme(out: Path) -> None:
     machines = json.loads((out / "machine.json").read_text())
     lines = ["# The fine-tune step on CPUs: precision modes, fast paths, where the time goes", "",
              "Every number sits beside its machine. `matmul bf16/fp32` is the start-up probe that "
-             "`train.precision=auto` decides by (a 2048x576x1536 matmul, or a 32-row screen where bf16 is hopeless).",
+             "`train.precision=auto` decides by (a 2048x576x1536 matmul, or a 32-row screen where bf16 is hopeless). "
+             "What the numbers say: results/REPORT.md, sections 11 (precision) and 14 (the step's profile).",
              "", "| machine | matmul bf16/fp32 | probe | torch | threads |", "|:--|--:|:--|:--|--:|"]
     lines += [f"| {name} | {m['matmul_bf16_over_fp32']} | {m['matmul_probe']} | {m['torch']} | {m['threads']} |"
               for name, m in machines.items()]
@@ -181,8 +182,7 @@ def write_readme(out: Path) -> None:
                   "full logits and torch's one-parameter-at-a-time AdamW, `fast` the chunked loss "
                   "(`train.fused_loss`) and fused AdamW (`train.optimizer_impl=fused`), the others one of the two. "
                   "`speedup_vs_fp32` is against plain fp32 eager on the same machine.", ""]
-        for machine, rows in table.groupby("machine", sort=False):
-            lines += [f"### {machine}", "", rows.drop(columns="machine").to_markdown(index=False, floatfmt=".3g"), ""]
+        lines += _by_machine(table)
     if (out / "profile.csv").exists():
         profile, ops = pd.read_csv(out / "profile.csv"), pd.read_csv(out / "profile_ops.csv")
         lines += ["## Where one step's time goes", "",
@@ -192,17 +192,25 @@ def write_readme(out: Path) -> None:
                   "backward; `memory`: copies, fills, clones, casts, the embedding's dense gradient; `other`: the "
                   "rest) and by the recipe's phase. In the `fast` variant the loss's gradient matmuls run in the "
                   "forward phase (train/loss_head.py).", ""]
-        for machine, rows in profile.groupby("machine", sort=False):
-            lines += [f"### {machine}", "", rows.drop(columns="machine").to_markdown(index=False, floatfmt=".3g"), ""]
-            for (mode, variant), top in ops[ops["machine"] == machine].groupby(["mode", "variant"], sort=False):
-                lines += [f"Top operators, {mode} {variant}:", "",
-                          top.drop(columns=["machine", "mode", "variant"]).to_markdown(index=False, floatfmt=".3g"), ""]
+        lines += _by_machine(profile)
+        keys = ["machine", "allocator", "mode", "variant"]
+        for (machine, malloc, mode, variant), top in ops.groupby(keys, sort=False):
+            lines += [f"Top operators, {machine}, {malloc}, {mode} {variant}:", "",
+                      top.drop(columns=keys).to_markdown(index=False, floatfmt=".3g"), ""]
     for name, title, how in RECOVERY_TABLES:
         if (out / f"{name}.csv").exists():
             table = pd.read_csv(out / f"{name}.csv")
             lines += [f"## {title}", "", how, "", table.to_markdown(index=False, floatfmt=".4g"), "",
                       f"![recovery curves]({name}_curves.png)", ""]
     (out / "README.md").write_text("\n".join(lines))
+
+
+def _by_machine(table: pd.DataFrame) -> list[str]:
+    """A markdown table per machine, under its name."""
+    lines = []
+    for machine, rows in table.groupby("machine", sort=False):
+        lines += [f"### {machine}", "", rows.drop(columns="machine").to_markdown(index=False, floatfmt=".3g"), ""]
+    return lines
 
 
 RECOVERY_TABLES = (
