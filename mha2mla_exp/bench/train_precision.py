@@ -145,7 +145,7 @@ def _seed(results_json: Path) -> int:
     return int(yaml.safe_load((results_json.parent / "config.yaml").read_text())["seed"])
 
 
-def plot(curves: pd.DataFrame, path: Path) -> None:
+def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +156,7 @@ def plot(curves: pd.DataFrame, path: Path) -> None:
         ax.plot(curve["tokens"], curve["ppl"], marker="o", ms=3, label=mode,
                 linestyle="--" if mode.endswith("s1") else "-")
     ax.set(xlabel="fine-tune tokens", ylabel="held-out perplexity (probe, 32 x 512 rows)", yscale="log",
-           title="Recovery by training precision (SmolLM2-135M, d_kv=16)")
+           title=f"{title} (SmolLM2-135M, d_kv=16)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -261,7 +261,8 @@ def main(argv=None) -> int:
             parser.error(f"no finished fine-tune runs under {', '.join(map(str, args.runs_dirs))}")
         table.to_csv(args.out / f"{args.name}.csv", index=False)
         curves.to_csv(args.out / f"{args.name}_curves.csv", index=False)
-        plot(curves, args.out / f"{args.name}_curves.png")
+        title = dict((name, title) for name, title, _ in RECOVERY_TABLES)[args.name]
+        plot(curves, args.out / f"{args.name}_curves.png", title.removeprefix("Recovery at equal tokens, "))
     write_readme(args.out)
     print((args.out / "README.md").read_text())
     return 0
