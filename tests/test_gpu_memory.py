@@ -69,3 +69,37 @@ def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monke
         paper_plan("train.precision=bf16-master")
     with pytest.raises(ConfigError, match="train.strategy: unknown 'zero3'"):
         paper_plan("train.strategy=zero3")
+
+
+def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeypatch, tmp_path, capsys):
+    """The documented dry run (the default mixture, python-edu included) plans the 7B where boto3 or AWS
+    credentials are missing: the plan and its memory are printed and the cell is `blocked` with the reason,
+    while a real run is still refused at validation."""
+    import sys
+
+    from mha2mla_exp.runner.run import run
+
+    class NoCredentials:
+        class Session:
+            def get_credentials(self):
+                return None
+
+    monkeypatch.setitem(sys.modules, "boto3", NoCredentials)
+    monkeypatch.setattr("mha2mla_exp.runner.config.probe_architecture", lambda cfg: (None, []))  # offline
+    monkeypatch.setattr("mha2mla_exp.runner.config.probe_hub_datasets", lambda mixture: [])
+
+    def compose_7b(*overrides):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return compose(config_name="config", overrides=[
+                "model=llama2_7b", "+cells/table1=mla_dkv_dh_over_8", "+experiment=paper_table1",
+                f"results_dir={tmp_path}", "logger=none", *overrides])
+
+    outcome = run(compose_7b("dry_run=true"))
+    printed = capsys.readouterr().out
+    assert outcome["status"] == "blocked"
+    assert "data.mixture[2].blob_field: boto3 finds no AWS credentials" in outcome["error"]
+    assert "blocked on this machine: data.mixture[2].blob_field: boto3 finds no AWS credentials" in printed
+    assert "fsdp on 8 process(es), activation checkpointing on" in printed
+    assert not any(tmp_path.iterdir())  # a plan writes nothing
+    with pytest.raises(ConfigError, match=r"data\.mixture\[2\]\.blob_field: boto3 finds no AWS credentials"):
+        validate(compose_7b())

@@ -27,8 +27,11 @@ SOURCES = ("asset", "local", "hub", "teacher")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
 
-def check_data_config(data_cfg: Any) -> None:
-    """Raise ValueError naming the field unless `data_cfg` can be read; reads no documents."""
+def check_data_config(data_cfg: Any, *, missing_access: list[str] | None = None) -> None:
+    """Raise ValueError naming the field unless `data_cfg` can be read; reads no documents.
+
+    What this machine lacks to read a valid config (python-edu's boto3 and AWS credentials) raises too, unless
+    `missing_access` is a list: then it is appended there (a dry run plans for the cluster that has them)."""
     cfg = as_plain_dict(data_cfg, "data")
     source = cfg.get("source")
     if source not in SOURCES:
@@ -62,7 +65,7 @@ def check_data_config(data_cfg: Any) -> None:
 
         check_teacher_config(cfg)
     else:
-        check_mixture(cfg.get("mixture"))
+        check_mixture(cfg.get("mixture"), missing_access=missing_access)
         for key in ("max_tokens", "max_documents"):
             if cfg.get(key) is not None:
                 raise ValueError(
@@ -85,7 +88,7 @@ def _eval_assets() -> set[str]:
     return {a.name for a in ASSETS.values() if a.kind == "eval"}
 
 
-def check_mixture(mixture: Any) -> None:
+def check_mixture(mixture: Any, *, missing_access: list[str] | None = None) -> None:
     if not isinstance(mixture, list) or not mixture:
         raise ValueError(f"data.mixture: a hub source needs a non-empty list of parts, got {mixture!r}")
     for i, part in enumerate(mixture):
@@ -100,7 +103,12 @@ def check_mixture(mixture: Any) -> None:
         if part["path"] in PACKAGED_BUILDERS:
             _check_data_files(part.get("data_files"), where)
         if part.get("blob_field"):
-            check_software_heritage_access(where)
+            try:
+                check_software_heritage_access(where)
+            except ValueError as err:
+                if missing_access is None:
+                    raise
+                missing_access.append(str(err))
     total = sum(p["weight"] for p in mixture)
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")

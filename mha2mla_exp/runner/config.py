@@ -51,6 +51,7 @@ class RunPlan:
     setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
     memory: MemoryEstimate | None = None  # per-GPU memory of the fine-tune, where train.gpu_memory_gb asks
+    blocked: tuple[str, ...] = ()  # dry runs only: what this machine lacks to run the plan (a real run raises)
 
     @property
     def table_variant(self) -> str:
@@ -93,10 +94,12 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
     if saved_mla and cfg.variant != "mla":
         raise ConfigError(f"variant: {cfg.model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
                           "(its rope/svd settings are read from its config.json, not converted again)")
-    _check_source("data", check_data_config, cfg.data)
+    # a dry run plans for the machine that will run it: what this one lacks to read the data is said, not fatal
+    blocked = [] if cfg.get("dry_run") else None
+    _check_source("data", lambda c: check_data_config(c, missing_access=blocked), cfg.data)
     if training_data_cfg(cfg) is not None:  # recovery text other than the run's corpus (calibration, held-out)
         try:
-            check_data_config(cfg.train.data)
+            check_data_config(cfg.train.data, missing_access=blocked)
         except ValueError as err:
             raise ConfigError(f"train.{err}" if str(err).startswith("data.") else f"train.data: {err}") from err
     _check_eval(cfg.eval)
@@ -170,7 +173,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
-        memory=memory,
+        memory=memory, blocked=tuple(blocked or ()),
     )
 
 

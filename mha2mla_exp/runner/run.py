@@ -176,9 +176,11 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
+    lines += [f"  blocked on this machine: {why}" for why in plan.blocked]
     if dist.is_main_process:
         print("\n".join(lines))
-    return {"status": "planned", "error": None, "run_name": run_dir.name, "run_dir": str(run_dir)}
+    return {"status": "blocked" if plan.blocked else "planned", "error": "; ".join(plan.blocked) or None,
+            "run_name": run_dir.name, "run_dir": str(run_dir)}
 
 
 def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:

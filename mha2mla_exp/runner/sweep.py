@@ -60,6 +60,6 @@ def summary_table(outcomes: list[dict]) -> str:
     lines = [f"[mha2mla_exp] sweep of {len(outcomes)} cells:"]
     for o in outcomes:
         where = o.get("run_dir") or ""
-        error = f"  ({o['error']})" if o.get("error") and o.get("status") in FAILED else ""
+        error = f"  ({o['error']})" if o.get("error") and o.get("status") in (*FAILED, "blocked") else ""
         lines.append(f"  #{o['cell']:<3} {o.get('status', '?'):<12} {o['overrides']}  {where}{error}")
     return "\n".join(lines)
