@@ -120,7 +120,10 @@ def test_the_committed_teacher_recovery_records_keep_their_identity_under_todays
         for cell in sorted((root / "conf/cells/teacher_recovery").glob("*.yaml")):
             cfg = compose(config_name="config", overrides=[
                 "+experiment=teacher_recovery", f"+cells/teacher_recovery={cell.stem}", "results_dir=results/runs"])
-            for mode in ("fp32", "bf16-autocast"):  # `auto` as each record chose it, not as this machine would
-                recomposed.add(validate(cfg, auto_precision=mode).run_hash)
+            # `auto` and `eval.dtype=fastest` as each record's machine chose them, not as this one measures
+            for mode in ("fp32", "bf16-autocast"):
+                for bf16_pays in (True, False):
+                    recomposed.add(validate(cfg, auto_precision=mode,
+                                            bf16_pays=lambda *_, fast=bf16_pays: (fast, "as recorded")).run_hash)
     for record in records:
         assert record["config_hash"] in recomposed, record["run_name"]

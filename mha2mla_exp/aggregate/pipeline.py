@@ -69,9 +69,12 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
                      probes=training_curves(runs, "heldout_ppl_probe"))
 
 
-# experiment -> suite: every pair of their rows gets a table (REPORT.md cites them)
-PAIRWISE_EXPERIMENTS = {"headline": "commonsense", "recovery": "commonsense", "cpu10x_table1": "commonsense",
-                        "passkey_nope": "long_context"}
+# table name -> (experiment, suite): every pair of the experiment's rows gets a table (REPORT.md cites them);
+# a recovery experiment's own table already takes its name
+PAIRWISE_EXPERIMENTS = {"headline": ("headline", "commonsense"), "recovery": ("recovery", "commonsense"),
+                        "cpu10x_table1": ("cpu10x_table1", "commonsense"),
+                        "passkey_nope": ("passkey_nope", "long_context"),
+                        "teacher_recovery_pairs": ("teacher_recovery", "commonsense")}
 # table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
 PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1")}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
@@ -116,13 +119,13 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                spec.title + ", per task", note)
     for name, figure in aggregate.figures().items():
         written += plots.save_figure(figure, out_dir / "plots", name)
-    for experiment, suite in PAIRWISE_EXPERIMENTS.items():
+    for name, (experiment, suite) in PAIRWISE_EXPERIMENTS.items():
         pairs = comparisons.pairwise(aggregate.runs, experiment, suite)
         if len(pairs):
             tasks = list(COMMONSENSE) if suite == "commonsense" else _our_tasks(pairs)
-            pairs.to_csv(tables / f"{experiment}.csv", index=False)
-            written += [tables / f"{experiment}.csv"] + write_views(
-                tables, experiment, pairwise_views(pairs, tasks),
+            pairs.to_csv(tables / f"{name}.csv", index=False)
+            written += [tables / f"{name}.csv"] + write_views(
+                tables, name, pairwise_views(pairs, tasks),
                 f"Experiment {experiment}: every pair of its rows on the same docs",
                 "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
                 "(resampled within each task); 'not resolved': the interval contains 0.")

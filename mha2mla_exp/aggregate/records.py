@@ -332,10 +332,12 @@ def _lr_note(lr) -> str | None:
 
 
 def recipe_label(row) -> str | None:
-    """The recovery settings of a canonical row that differ from the paper's recipe: "kd, attention only, lr 3e-4"."""
+    """The recovery settings of a canonical row that differ from the paper's recipe: "kd, on teacher-samples, attention only, lr 3e-4"."""
     parts = []
     if isinstance(row.get("objective"), str) and row["objective"] != DEFAULT_RECIPE["objective"]:
         parts.append(row["objective"])
+    if isinstance(row.get("train_data"), str):  # recovery text other than the corpus (the teacher's samples)
+        parts.append(f"on {row['train_data']}")
     if row.get("trainable") == "attention":
         parts.append("attention only")
     if _lr_note(row.get("lr")):
