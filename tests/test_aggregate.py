@@ -567,3 +567,24 @@ def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_pat
     assert list(table["× original"]) == [1.0, 1.5, 2.0, 3.0]
     assert list(table["KV memory"])[-1] == "-81.25 %"
     assert (tmp_path / "out" / "tables" / "rorope_zero_shot.md") in write_aggregate(agg, tmp_path / "out")
+
+
+def test_labels_name_a_kv_budget_and_the_teacher_set_they_recovered_on():
+    """Two recoveries that differ only in the teacher set's size, or in the KV budget, must not read alike."""
+    from mha2mla_exp.aggregate.records import flatten, train_data_label
+    from mha2mla_exp.aggregate.render import row_label
+
+    def teacher(train, held_out):
+        return flatten({"train_data": {"name": "teacher-samples", "source": "teacher",
+                                       "documents": {"train": train, "held_out": held_out}}})
+
+    assert train_data_label(teacher(1949, 99)) == "teacher-samples (2,048 samples)"
+    assert train_data_label(teacher(5834, 310)) == "teacher-samples (6,144 samples)"
+    assert train_data_label(flatten({"train_data": {"name": "sotu", "documents": {"train": 200}}})) == "sotu"
+    assert train_data_label({}) is None
+    budget = {"method": "mla", "rope": "rorope", "svd": "joint", "r": None, "d_kv": None}
+    assert row_label({**budget, "kv_elements": 72, "rope_dims": "32"}) == \
+        "rorope + joint SVD, 72 KV elements (rope dims 32)"
+    assert row_label({**budget, "kv_elements": 120, "rope_dims": "46"}) != row_label({**budget, "kv_elements": 72,
+                                                                                         "rope_dims": "32"})
+    assert row_label({**budget, "r": 4, "d_kv": 16}) == "rorope r=4, joint SVD d_kv=16"

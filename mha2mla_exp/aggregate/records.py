@@ -276,7 +276,7 @@ def canonical_run(record: dict) -> dict:
         # compute spent and the cheap always-on score, for the recovery view
         "heldout_ppl": _get(record, "eval.perplexity.heldout"),
         # a fine-tune on other text than the run's corpus (train.data), and its own held-out perplexity
-        "train_data": _get(record, "train_data.name"),
+        "train_data": train_data_label(record),
         "train_data_heldout_ppl": _get(record, f"eval.perplexity.heldout:{_get(record, 'train_data.name')}"),
         "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),       # per held-out row (perplexity_pairs)
         "heldout_row_tokens": _get(record, "eval.perplexity.row_tokens"),
@@ -345,6 +345,16 @@ def recipe_label(row) -> str | None:
     if isinstance(row.get("precision"), str) and row["precision"] != DEFAULT_RECIPE["precision"]:
         parts.append(row["precision"])
     return ", ".join(parts) or None
+
+
+def train_data_label(record: dict) -> str | None:
+    """The recovery text when it is not the corpus (`record` flattened): its name, and for text a teacher wrote
+    the number of samples (sets of one generation config differ in nothing else): "teacher-samples (6,144 samples)"."""
+    name = _get(record, "train_data.name")
+    samples = [_get(record, f"train_data.documents.{split}") for split in ("train", "held_out")]
+    if not isinstance(name, str) or _get(record, "train_data.source") != "teacher" or None in samples:
+        return name
+    return f"{name} ({sum(int(n) for n in samples):,} samples)"
 
 
 def rope_dims_label(record: dict) -> str | None:

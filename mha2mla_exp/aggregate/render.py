@@ -42,6 +42,9 @@ def row_label(row) -> str:
         text = "FT full attention"
     elif method == "partial_rope":
         text = "NoPE (r=0)" if row.get("rope") == "none" else f"{row.get('rope')} r={_int(row.get('r'))}"
+    elif not _missing(row.get("kv_elements")):  # a KV budget split per layer: r and d_kv are the split's
+        dims = row.get("rope_dims") if isinstance(row.get("rope_dims"), str) else "?"
+        text = f"{row.get('rope')} + {row.get('svd')} SVD, {_int(row['kv_elements'])} KV elements (rope dims {dims})"
     else:
         text = f"{row.get('rope')} r={_int(row.get('r'))}, {row.get('svd')} SVD d_kv={_int(row.get('d_kv'))}"
     if isinstance(row.get("options"), str):
