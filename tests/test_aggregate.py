@@ -544,6 +544,14 @@ def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
     assert mla_vs_ft["ci"] == "paired bootstrap" and mla_vs_ft["avg_delta_high"] < 0
     ft_vs_original = pairs.loc[("FT full attention @ 32,768 tokens", "original")]
     assert ft_vs_original["avg_delta"] == pytest.approx(-10.0)
+    # the forest plot against the original: one bar per row paired with it, best on top, the goal line
+    figure = plots.score_deltas_vs(pairs.reset_index(), "original", "t", target=-2.0)
+    ax = figure.axes[0]
+    assert [t.get_text().split(" @")[0] for t in ax.get_yticklabels()] == ["FT full attention",
+                                                                           "2-norm r=4, joint SVD d_kv=16"]
+    points = [line.get_xdata()[0] for line in ax.lines if line.get_marker() == "o" and len(line.get_xdata())]
+    assert points == pytest.approx([-10.0, -50.0])
+    assert -2.0 in [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"]
 
 
 def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_path):

@@ -75,6 +75,8 @@ PAIRWISE_EXPERIMENTS = {"headline": ("headline", "commonsense"), "recovery": ("r
                         "cpu10x_table1": ("cpu10x_table1", "commonsense"),
                         "passkey_nope": ("passkey_nope", "long_context"),
                         "teacher_recovery_pairs": ("teacher_recovery", "commonsense")}
+# pairwise table -> (the row every other is plotted against, the goal line in points: issue 23's -2.0)
+DELTA_PLOTS = {"teacher_recovery_pairs": ("original", -2.0)}
 # table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
 PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1")}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
@@ -129,6 +131,11 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                 f"Experiment {experiment}: every pair of its rows on the same docs",
                 "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
                 "(resampled within each task); 'not resolved': the interval contains 0.")
+            if name in DELTA_PLOTS:
+                reference, target = DELTA_PLOTS[name]
+                written += plots.save_figure(plots.score_deltas_vs(
+                    pairs, reference, f"Experiment {experiment}: each row against the {reference} model, paired",
+                    target), out_dir / "plots", f"{name}_vs_{reference}")
     for experiment in ZERO_SHOT_EXPERIMENTS:
         table = zero_shot_table(aggregate.runs, experiment)
         if len(table):

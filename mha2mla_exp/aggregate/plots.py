@@ -360,6 +360,38 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     return figure
 
 
+SCORE_VERDICT_COLORS = {"B lower": "C3", "B higher": "C2", "not resolved": "grey"}  # a score: higher is better
+
+
+def score_deltas_vs(pairs: pd.DataFrame, reference: str, title: str, target: float | None = None) -> Figure:
+    """`pairwise`'s Avg deltas of every row against one `reference` row (A) as a forest plot: B − A in points with
+    its paired bootstrap 95 % interval, coloured by verdict, best on top; `target`: a dashed line (e.g. the -2-point goal)."""
+    rows = pairs[pairs["A"] == reference].sort_values("avg_delta", ascending=False).reset_index(drop=True) if len(pairs) else pairs
+    labels = [f"{r['B']}  ({r['eval docs']})" for _, r in rows.iterrows()] if len(rows) else []
+    figure = Figure(figsize=(6 + 0.05 * max(map(len, labels), default=0), 1.5 + 0.3 * max(len(rows), 4)))
+    ax = figure.subplots()
+    if not len(rows):
+        _empty_note(ax, f"no rows paired with {reference!r}")
+        return figure
+    y = np.arange(len(rows))[::-1]
+    for yi, (_, row) in zip(y, rows.iterrows()):
+        color = SCORE_VERDICT_COLORS.get(row["verdict"], "black")
+        ax.plot([row["avg_delta_low"], row["avg_delta_high"]], [yi, yi], "-", color=color, lw=2)
+        ax.plot(row["avg_delta"], yi, "o", color=color)
+    ax.axvline(0.0, color="black", lw=0.8)
+    if target is not None:
+        ax.axvline(target, color="black", lw=0.8, ls="--", label=f"goal: {target:+g} points")
+    ax.set_yticks(y, labels, fontsize="x-small")
+    ax.set_xlabel(f"Avg B − {reference} (points); bar: paired bootstrap 95 % over the same documents")
+    for verdict, color in SCORE_VERDICT_COLORS.items():
+        ax.plot([], [], "o-", color=color, label=verdict)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(title, fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
 def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
     """Held-out perplexity against cached elements per token and layer (`zero_shot.budget_comparison`): one
     line per converter and options, TransMLA's own code dashed; only our rows paired with it (same held-out
