@@ -323,6 +323,17 @@ VERDICT_COLORS = {"B lower": "C2", "B higher": "C3", "not resolved": "grey"}
 RATIO_TICKS = (0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)
 
 
+def _finish_forest(figure: Figure, ax, colors: dict[str, str], title: str) -> Figure:
+    """A forest plot's legend (one entry per verdict colour), grid and title."""
+    for verdict, color in colors.items():
+        ax.plot([], [], "o-", color=color, label=verdict)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(title, fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
 def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     """`perplexity_pairs`' table as a forest plot: per pair, B/A on a log axis with its paired bootstrap 95 %
     interval (coloured by verdict) and each seed's own ratio as a cross; pairs grouped by the factor they vary."""
@@ -351,13 +362,7 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
     ax.set_yticks(y, labels, fontsize="x-small")
     ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; "
                   "x: each seed")
-    for verdict, color in VERDICT_COLORS.items():
-        ax.plot([], [], "o-", color=color, label=verdict)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.grid(alpha=0.3, axis="x")
-    ax.set_title(title, fontsize="small")
-    figure.tight_layout()
-    return figure
+    return _finish_forest(figure, ax, VERDICT_COLORS, title)
 
 
 SCORE_VERDICT_COLORS = {"B lower": "C3", "B higher": "C2", "not resolved": "grey"}  # a score: higher is better
@@ -383,13 +388,7 @@ def score_deltas_vs(pairs: pd.DataFrame, reference: str, title: str, target: flo
         ax.axvline(target, color="black", lw=0.8, ls="--", label=f"goal: {target:+g} points")
     ax.set_yticks(y, labels, fontsize="x-small")
     ax.set_xlabel(f"Avg B − {reference} (points); bar: paired bootstrap 95 % over the same documents")
-    for verdict, color in SCORE_VERDICT_COLORS.items():
-        ax.plot([], [], "o-", color=color, label=verdict)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.grid(alpha=0.3, axis="x")
-    ax.set_title(title, fontsize="small")
-    figure.tight_layout()
-    return figure
+    return _finish_forest(figure, ax, SCORE_VERDICT_COLORS, title)
 
 
 def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
