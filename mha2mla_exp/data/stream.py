@@ -226,10 +226,12 @@ class PrefetchedRows:
         self._ahead = (step + 1, rows_per_step, self._pool.submit(self._read, step + 1, rows_per_step))
         return rows
 
-    def epochs(self, rows_read: int) -> None:
-        return None
+    def epochs(self, rows_read: int) -> None:  # the stream's own facts: reading ahead changes none of them
+        return self.stream.epochs(rows_read)
 
-    tokens_available = None
+    @property
+    def tokens_available(self) -> None:
+        return self.stream.tokens_available
 
     @property
     def seq_len(self) -> int:
