@@ -554,6 +554,30 @@ def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
     assert -2.0 in [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"]
 
 
+def test_rows_recovered_on_their_own_text_are_plotted_against_its_held_out_perplexity(tmp_path):
+    columns = PARTS
+    answers = {"original": ({c: [0] * 20 for c in columns}, None),
+               "finetuned_full_attention": ({c: [0] * 18 + [1, 1] for c in columns}, 12.0),
+               "mla": ({c: [0] * 10 + [1] * 10 for c in columns}, 20.0)}
+    for method, (a, ppl) in answers.items():
+        record = _record(method, 0 if method == "original" else 32768, n=20) | {"experiment": "teacher_recovery"}
+        record["eval"]["commonsense"].update(_scores_of(a))
+        if ppl is not None:  # recovered on a text of its own: its held-out perplexity on that text is recorded
+            record["train_data"] = {"name": "teacher-samples", "source": "teacher"}
+            record["eval"]["perplexity"] = {"heldout": 50.0, "heldout:teacher-samples": ppl}
+        _write(tmp_path, method, record, rows=_commonsense_rows(a))
+    pairs = comparisons.pairwise(build_aggregate([tmp_path]).runs, "teacher_recovery")
+    against_original = pairs[pairs["A"] == "original"].set_index("B")["B recovery text ppl"]
+    assert sorted(against_original) == [12.0, 20.0]
+    figure = plots.scores_vs_recovery_ppl(pairs, "original", "t")
+    avg_panel, hs_panel = figure.axes[0], figure.axes[1]
+    assert "Avg" in avg_panel.get_title() and "HS" in hs_panel.get_title()
+    (points,) = [line for line in avg_panel.lines if line.get_marker() == "o"]
+    assert list(points.get_xdata()) == [12.0, 20.0]                 # sorted by the perplexity
+    assert list(points.get_ydata()) == pytest.approx([-10.0, -50.0])  # each row's paired delta to the original
+    assert avg_panel.get_xscale() == "log"
+
+
 def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_path):
     from mha2mla_exp.aggregate.pipeline import write_aggregate
     from mha2mla_exp.aggregate.zero_shot import zero_shot_table

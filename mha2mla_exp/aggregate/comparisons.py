@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pandas as pd
 
 from . import paired
@@ -46,9 +47,16 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
         tasks = COMMONSENSE if suite == "commonsense" else list(b.spec.metric)
         cells = row_cells(b, diff, _ALL[suite].score, tasks)
         records.append({"B": _label(b), "A": _label(a), "eval docs": eval_docs_label(b.runs[0]),
-                        "A avg": a.scores["avg"]} | cells | {
+                        "A avg": a.scores["avg"], "B recovery text ppl": _recovery_text_ppl(b)} | cells | {
             "verdict": _verdict(diff.get("avg"))})
     return pd.DataFrame.from_records(records)
+
+
+def _recovery_text_ppl(row) -> float | None:
+    """The held-out perplexity of a row's model on the text it recovered on, where that is not the corpus (the
+    teacher's samples); the mean over seeds."""
+    values = [float(r["train_data_heldout_ppl"]) for r in row.runs if not pd.isna(r.get("train_data_heldout_ppl"))]
+    return float(np.mean(values)) if values else None
 
 
 def _verdict(interval: paired.Interval | None) -> str | None:

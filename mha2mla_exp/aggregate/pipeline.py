@@ -136,6 +136,9 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                 written += plots.save_figure(plots.score_deltas_vs(
                     pairs, reference, f"Experiment {experiment}: each row against the {reference} model, paired",
                     target), out_dir / "plots", f"{name}_vs_{reference}")
+                written += plots.save_figure(plots.scores_vs_recovery_ppl(
+                    pairs, reference, f"Experiment {experiment}: what a row keeps against how well it fits the text "
+                    "it recovered on"), out_dir / "plots", f"{name}_vs_recovery_ppl")
     for experiment in ZERO_SHOT_EXPERIMENTS:
         table = zero_shot_table(aggregate.runs, experiment)
         if len(table):

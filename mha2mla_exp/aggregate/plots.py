@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
 from .records import recovery_recipe, variant_label
-from .render import eval_docs_label
+from .render import TASK_NAMES, eval_docs_label
 
 AVG_LABEL = "Avg commonsense score (points)"
 _LONG_CONTEXT_KEY = re.compile(r"^long_context\.(?P<task>.+)@(?P<length>\d+)$")
@@ -389,6 +389,40 @@ def score_deltas_vs(pairs: pd.DataFrame, reference: str, title: str, target: flo
     ax.set_yticks(y, labels, fontsize="x-small")
     ax.set_xlabel(f"Avg B − {reference} (points); bar: paired bootstrap 95 % over the same documents")
     return _finish_forest(figure, ax, SCORE_VERDICT_COLORS, title)
+
+
+def scores_vs_recovery_ppl(pairs: pd.DataFrame, reference: str, title: str,
+                           columns=("avg", "hellaswag", "arc", "piqa")) -> Figure:
+    """One panel per score column: each row's paired difference to the `reference` row (A) against its held-out
+    perplexity on the text it recovered on (log axis), bars its paired bootstrap 95 % interval; the points are
+    numbered and the numbers listed below. Rows without that perplexity (recovered on the corpus) are left out."""
+    rows = pairs[(pairs["A"] == reference) & pairs["B recovery text ppl"].notna()] if len(pairs) else pairs
+    rows = rows.sort_values("B recovery text ppl").reset_index(drop=True) if len(rows) else rows
+    figure = Figure(figsize=(3.2 * len(columns), 3.4))  # the numbered labels go below, outside the axes
+    axes = figure.subplots(1, len(columns), sharex=True)
+    if not len(rows):
+        _empty_note(axes[0], f"no row recovered on its own text is paired with {reference!r}")
+        return figure
+    x = rows["B recovery text ppl"].astype(float).to_numpy()
+    for ax, column in zip(axes, columns):
+        y = rows[f"{column}_delta"].astype(float)
+        errors = np.vstack([(y - rows[f"{column}_delta_low"]).clip(lower=0), (rows[f"{column}_delta_high"] - y).clip(lower=0)])
+        ax.errorbar(x, y, yerr=errors, fmt="o", color="tab:blue", ecolor="tab:blue", alpha=0.8, capsize=2)
+        for i, (xi, yi) in enumerate(zip(x, y), start=1):
+            ax.annotate(str(i), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize="x-small")
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        for axis_ticks in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis_ticks(FormatStrFormatter("%g"))  # 20, 30, 40 rather than 2x10^1
+        ax.set_title(("Avg" if column == "avg" else TASK_NAMES.get(column, column)) + f" − {reference}", fontsize="small")
+        ax.set_xlabel("held-out ppl on the recovery text")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("points; bar: paired bootstrap 95 %")
+    legend = "\n".join(f"{i}: {label}" for i, label in enumerate(rows["B"], start=1))
+    figure.suptitle(title, fontsize="small")
+    figure.text(0.01, 0.0, legend, fontsize=5.5, va="top", ha="left", family="monospace")
+    figure.tight_layout()
+    return figure
 
 
 def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
