@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_causal_lm
 from mha2mla_exp.mla import MLASpec, ModelShape, convert_to_mla
-from mha2mla_exp.mla.budget import selection_loss
+from mha2mla_exp.mla.budget import search_widths, selection_loss
 from mha2mla_exp.mla.cache import LatentCache
 from mha2mla_exp.mla.spec import budget_pair_range, kv_elements_per_token
 
@@ -119,6 +119,54 @@ def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
                        calibration=calib(tokens))
 
 
+def test_width_exchanges_keep_the_total_and_the_bounds_and_only_lower_the_score():
+    """A separable convex price (layer l pays c_l / w_l) has its optimum at w_l proportional to sqrt(c_l): the
+    exchanges must walk towards it, keep the total, stay within floor and caps, and never raise the score."""
+    c = [1.0, 16.0, 4.0, 1.0]
+    caps = [40, 40, 40, 24]
+    scored = []
+
+    def score(widths):  # a probe is one layer a step wider or narrower; a candidate keeps the total
+        assert sum(widths) in (60, 64, 68) and all(1 <= w <= cap for w, cap in zip(widths, caps))
+        scored.append(sum(ci / w for ci, w in zip(c, widths)))
+        return scored[-1]
+
+    widths, record = search_widths([16] * 4, caps, score, step=4, rounds=6)
+    assert sum(widths) == 64 and record["scored"] == len(scored)
+    assert record["uniform_loss"] == pytest.approx(sum(ci / 16 for ci in c))
+    losses = [record["uniform_loss"]] + [r["selection_loss"] for r in record["rounds"]]
+    assert losses == sorted(losses, reverse=True) and len(losses) > 2   # every kept round lowered it
+    assert widths[1] > widths[2] > widths[0] and widths[1] > 16 > widths[0]  # the dear layer got most
+    assert record["rounds"][-1]["widths"] == widths
+
+
+def test_a_round_that_finds_no_gain_keeps_the_widths():
+    widths, record = search_widths([8, 8], [16, 16], lambda w: 1.0 + 0 * sum(w), step=4)
+    assert widths == [8, 8] and record["rounds"] == []
+
+
+@torch.no_grad()
+def test_a_measured_allocation_keeps_the_cache_bytes_and_lowers_the_selection_loss(tokens, tmp_path):
+    model = tiny_causal_lm("mha")  # here an exchange pays (seeded): the search must move the latent
+    selection = [tokens.flip(0)]
+    kwargs = dict(rope="rorope", svd="joint", init="bkv", kv_elements=24, rope_pairs=4, calibration=calib(tokens))
+    uniform = convert_to_mla(model, **kwargs)
+    measured = convert_to_mla(model, **kwargs, allocation="measured", selection=selection)
+    record = measured.config.mla["latent_allocation"]
+    assert record["uniform_loss"] == pytest.approx(selection_loss(uniform, selection), abs=1e-6)
+    widths = [s["latent"] for s in measured.config.mla["budget_split"]]
+    assert sum(widths) == 2 * (24 - 8) and measured.config.latent_dims in (None, widths)
+    final = selection_loss(measured, selection)
+    assert record["rounds"] and widths == record["rounds"][-1]["widths"] != [16, 16]
+    assert final == pytest.approx(record["rounds"][-1]["selection_loss"], abs=1e-6)
+    assert final < record["uniform_loss"]
+    cache = LatentCache()
+    expanded = measured(tokens, cache=cache, use_cache=True).logits
+    assert cache.nbytes() == model.config.num_hidden_layers * tokens.numel() * 24 * 4  # the budget, every token
+    measured.set_absorb(True)
+    assert (measured(tokens).logits - expanded).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"rope": "2-norm", "svd": "joint", "kv_elements": 72}, "needs a strategy with one shared rope key"),
     ({"rope": "rorope", "svd": "split", "kv_elements": 72}, "needs svd='joint'"),
@@ -129,6 +177,8 @@ def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
     ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": None}, "key_weight=null .searched. needs"),
     ({"rope": "rorope", "svd": "split", "d_kv": 16, "key_weight": 2.0}, "has no such trade"),
     ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": 0}, "key_weight must be a positive number"),
+    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "allocation": "measured"}, "allocation='measured' needs kv_elements"),
+    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "allocation": "global"}, "spread by the model's measured"),
 ])
 def test_a_budget_that_cannot_be_met_is_refused_before_any_weight(kwargs, message):
     shape = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -148,6 +198,9 @@ def test_budget_range_and_name():
     weighed = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
                              key_weight=None)
     assert weighed.searches and weighed.name_parts() == ("rorope", "joint-kv72-p16-bkv-kwsearch")
+    measured = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
+                              allocation="measured")
+    assert measured.searches and measured.name_parts() == ("rorope", "joint-kv72-p16-bkv-measured")
     weighed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", d_kv=16, key_weight=2)
     assert weighed.name_parts()[1] == "joint-dkv16-kw2"
 

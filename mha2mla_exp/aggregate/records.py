@@ -252,6 +252,7 @@ def canonical_run(record: dict) -> dict:
         # a KV budget split per layer (mla/budget.py) instead of r / d_kv
         "kv_elements": None if full_model else _as_int(_get(record, "mla.kv_elements")),
         "rope_dims": None if full_model else rope_dims_label(record),
+        "latent_dims": None if full_model else latent_dims_label(record),
         "kv_split": None if full_model or _get(record, "mla.kv_elements") is None
         else "fixed" if _get(record, "mla.rope_pairs") is not None else "searched",
         "options": None if full_model else options_label(record),
@@ -359,10 +360,19 @@ def train_data_label(record: dict) -> str | None:
 
 def rope_dims_label(record: dict) -> str | None:
     """The rope key dims the layers of a KV-budget conversion kept: "32" when all agree, else "min-max (mean)"."""
+    return _split_label(record, lambda layer: 2 * int(layer["rope_pairs"]))
+
+
+def latent_dims_label(record: dict) -> str | None:
+    """The latent widths of a KV-budget conversion's layers, as `rope_dims_label` gives the rope dims."""
+    return _split_label(record, lambda layer: int(layer["latent"]))
+
+
+def _split_label(record: dict, dims_of) -> str | None:
     split = _get(record, "conversion.budget_split")
     if not isinstance(split, list) or not split:
         return None
-    dims = [2 * int(layer["rope_pairs"]) for layer in split]
+    dims = [dims_of(layer) for layer in split]
     if len(set(dims)) == 1:
         return str(dims[0])
     return f"{min(dims)}-{max(dims)} (mean {sum(dims) / len(dims):.1f})"

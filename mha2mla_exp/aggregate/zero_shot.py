@@ -89,6 +89,8 @@ def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFra
         if isinstance(run.get("kv_split"), str):   # a budget: the split is the layers' (or the fixed one)
             converter, rope_dims = f"ours: {run['rope']}, split {run['kv_split']}", run["rope_dims"]
             latent = f"{elements} − rope dims"
+            if "allocation=measured" in (run.get("options") or ""):  # per layer: widths differ, the total kept
+                latent += f" on average ({run['latent_dims']} per layer)"
         else:   # r pairs per KV head and d_kv per KV head: n_kv = elements / (2r + d_kv)
             n_kv = elements // (2 * int(run["r"]) + int(run["d_kv"]))
             converter, rope_dims = f"ours: {run['rope']} r={int(run['r'])}", str(2 * n_kv * int(run["r"]))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from .budget import search_split
+from .budget import search_split, search_widths, selection_loss
 from .calibration import Calibration
 from .configuration import MLAConfig
 from .layouts import KeySplit, RotatedPairs
@@ -19,7 +19,7 @@ from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
 from .modeling import MLAAttention, MLAForCausalLM
 from .nope_keys import apply_nope_keys
 from .rope import ROPE_STRATEGIES
-from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, max_d_kv
+from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, budget_latent_cap, max_d_kv
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def convert_to_mla(
     init's objective). `kv_elements` (rope='rorope', svd='joint', no d_kv): a budget of cached elements per
     token and layer, `rope_pairs` rotated pairs in every layer and a latent of the rest; with `rope_pairs`
     null, the count whose whole conversion has the lowest next-token loss on `selection` (input_ids batches,
-    not the held-out rows; mla/budget.py). `nope_keys`: the keys of pairs that lose RoPE, 'plain' (the
+    not the held-out rows; mla/budget.py); with `allocation='measured'` the latent's width then differs
+    between layers, its total and so the cache's bytes kept, by the same loss. `nope_keys`: the keys of pairs that lose RoPE, 'plain' (the
     paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py). `key_weight` multiplies the
     init's weight on the NoPE keys' error in the joint SVD (None: searched, under a KV budget). `calibration`
     is an iterable of input_ids batches, required by the strategies and inits that read statistics. The
@@ -98,8 +99,8 @@ def convert_to_mla(
         raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
                          "(an iterable of input_ids batches)")
     if spec.searches and selection is None:
-        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs or key_weight searched needs a selection "
-                         "sample (an iterable of input_ids batches) to score each split on")
+        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs, key_weight or the latent allocation "
+                         "searched needs a selection sample (an iterable of input_ids batches) to score each split on")
     calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
     calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
@@ -108,15 +109,25 @@ def convert_to_mla(
         return _assemble(model, spec, calib, selections, None, spec.key_weight)
     ranked = ROPE_STRATEGIES.get(spec.rope).ranked(shape, spec.score, calib)
 
-    def with_split(k: int, key_weight: float) -> MLAForCausalLM:
+    def with_split(k: int, key_weight: float, widths: list[int] | None = None) -> MLAForCausalLM:
         selections = [RotatedPairs(u, order[:k]) for u, order in ranked]
-        return _assemble(model, spec, calib, selections, [spec.kv_elements - 2 * k] * shape.num_layers, key_weight)
+        widths = widths or [spec.kv_elements - 2 * k] * shape.num_layers
+        return _assemble(model, spec, calib, selections, widths, key_weight)
 
     if not spec.searches:
         return with_split(spec.rope_pairs, spec.key_weight)
-    pairs, key_weight, candidates = search_split(spec, shape, with_split, list(selection))
-    mla = with_split(pairs, key_weight)
-    mla.config.mla["budget_search"] = {"rope_pairs": pairs, "key_weight": key_weight, "candidates": candidates}
+    selection = list(selection)
+    pairs, key_weight, candidates = search_split(spec, shape, with_split, selection)
+    widths, allocation = None, None
+    if spec.allocation == "measured":
+        widths, allocation = search_widths(
+            [spec.kv_elements - 2 * pairs] * shape.num_layers, [budget_latent_cap(shape, pairs)] * shape.num_layers,
+            lambda w: selection_loss(with_split(pairs, key_weight, w), selection))
+    mla = with_split(pairs, key_weight, widths)
+    if candidates:
+        mla.config.mla["budget_search"] = {"rope_pairs": pairs, "key_weight": key_weight, "candidates": candidates}
+    if allocation is not None:
+        mla.config.mla["latent_allocation"] = allocation
     return mla
 
 

@@ -16,7 +16,9 @@ from .rope import ROPE_STRATEGIES
 SVD_VARIANTS = ("joint", "split", "none")
 SCORES = ("product", "sum", "rotation")
 SIGMA_PLACEMENTS = ("up", "sqrt")
-ALLOCATIONS = ("uniform", "global")  # the latent width: n_kv*d_kv in every layer, or the same total spread by energy
+# the latent width: the same in every layer; the same total spread by singular energy (d_kv); or, under a KV
+# budget, the same total spread by the whole model's measured loss (mla/budget.py)
+ALLOCATIONS = ("uniform", "global", "measured")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -98,6 +100,9 @@ class MLASpec:
             return cls(rope=rope, r=None, svd=svd, d_kv=None, score=score, sigma=sigma, init=init,
                        allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs, nope_keys=nope_keys,
                        key_weight=key_weight)
+        if allocation == "measured":
+            raise ValueError("allocation='measured' needs kv_elements: it spreads a KV budget's latent over the layers "
+                             "by the model's loss on a selection sample")
         r = strategy.resolve_r(r, shape.head_dim)
 
         if svd == "none":
@@ -141,8 +146,10 @@ class MLASpec:
 
     @property
     def searches(self) -> bool:
-        """A KV budget whose rope/latent split or key weight is searched on a selection sample (mla/budget.py)."""
-        return self.kv_elements is not None and (self.rope_pairs is None or self.key_weight is None)
+        """A KV budget whose rope/latent split, key weight or per-layer latent widths are searched on a selection
+        sample (mla/budget.py)."""
+        return self.kv_elements is not None and (self.rope_pairs is None or self.key_weight is None
+                                                 or self.allocation == "measured")
 
     @property
     def needs_calibration(self) -> bool:
@@ -213,12 +220,17 @@ def kv_ratio(shape: ModelShape, spec: MLASpec) -> float:
     return kv_elements_per_token(shape, spec) / (2 * shape.num_kv_heads * shape.head_dim)
 
 
+def budget_latent_cap(shape: ModelShape, rope_pairs: int) -> int:
+    """The widest latent a layer keeping `rope_pairs` rotated pairs can use: the rank of [NoPE keys; values],
+    at most the input's width."""
+    return min(2 * shape.num_kv_heads * shape.head_dim - 2 * rope_pairs, shape.hidden_size)
+
+
 def budget_pair_range(shape: ModelShape, kv_elements: int) -> range:
     """The rotated-pair counts K a layer may keep under `kv_elements` per token: at least one pair, a latent
     of at least one dim (kv_elements - 2K), and no wider than the rank of [NoPE keys; values] or the input."""
-    n_kv, d_h, d = shape.num_kv_heads, shape.head_dim, shape.hidden_size
-    pairs = [k for k in range(1, n_kv * d_h // 2 + 1)
-             if 1 <= kv_elements - 2 * k <= min(2 * n_kv * d_h - 2 * k, d)]
+    pairs = [k for k in range(1, shape.num_kv_heads * shape.head_dim // 2 + 1)
+             if 1 <= kv_elements - 2 * k <= budget_latent_cap(shape, k)]
     return range(pairs[0], pairs[-1] + 1) if pairs else range(0)
 
 
@@ -234,8 +246,9 @@ def _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pair
         raise ValueError(f"kv_elements needs svd='joint' (one latent beside the rope key), got svd={svd!r}")
     if d_kv is not None:
         raise ValueError(f"d_kv={d_kv} and kv_elements={kv_elements} both size the latent; give one")
-    if allocation != "uniform":
-        raise ValueError("allocation: a KV budget is the same in every layer (allocation='uniform')")
+    if allocation not in ("uniform", "measured"):
+        raise ValueError(f"allocation={allocation!r}: a KV budget's latent is the same in every layer ('uniform') or "
+                         "its total is spread by the model's measured loss ('measured')")
     allowed = budget_pair_range(shape, kv_elements)
     if not allowed:
         raise ValueError(f"kv_elements={kv_elements} leaves no split into rope pairs and a latent for this model")
