@@ -102,7 +102,7 @@ def search_widths(widths: list[int], caps: list[int], score: Callable[[list[int]
     one step wider and one step narrower than now, pairs the best gains with the cheapest losses (other layers,
     each layer in one exchange) while a gain exceeds its cost, and keeps the exchanges if the whole model's loss
     falls, else the better half of them, down to one; a round that keeps none ends the search. Returns the widths
-    and what was tried: {"uniform_loss", "rounds": [{"exchanges", "selection_loss"}], "scored"}."""
+    and what was tried: {"uniform_loss", "rounds": [{"exchanges", "selection_loss", "widths"}], "scored"}."""
     step, rounds = step or WIDTH_STEP, rounds or WIDTH_ROUNDS
     widths, total = list(widths), sum(widths)
     best = score(widths)

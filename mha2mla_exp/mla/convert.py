@@ -84,11 +84,11 @@ def convert_to_mla(
     token and layer, `rope_pairs` rotated pairs in every layer and a latent of the rest; with `rope_pairs`
     null, the count whose whole conversion has the lowest next-token loss on `selection` (input_ids batches,
     not the held-out rows; mla/budget.py); with `allocation='measured'` the latent's width then differs
-    between layers, its total and so the cache's bytes kept, by the same loss. `nope_keys`: the keys of pairs that lose RoPE, 'plain' (the
-    paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py). `key_weight` multiplies the
-    init's weight on the NoPE keys' error in the joint SVD (None: searched, under a KV budget). `calibration`
-    is an iterable of input_ids batches, required by the strategies and inits that read statistics. The
-    original model is left untouched: the converted one owns copies of every weight.
+    between layers by the same loss, its total (so the cache's bytes) kept. `nope_keys`: the keys of pairs
+    that lose RoPE, 'plain' (the paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py).
+    `key_weight` multiplies the init's weight on the NoPE keys' error in the joint SVD (None: searched, under a
+    KV budget). `calibration` is an iterable of input_ids batches, required by the strategies and inits that
+    read statistics. The original model is left untouched: the converted one owns copies of every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
