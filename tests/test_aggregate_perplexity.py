@@ -235,21 +235,26 @@ def test_ours_against_transmla_is_paired_over_the_same_rows_and_says_when_resolv
         "heldout_ppl": float(np.exp(np.mean(ref_nll))), "options": {"freqfold_chosen": 4},
         "transmla": {"commit": "9c0d25458a31"}, "heldout_row_nll": ref_nll, "heldout_row_tokens": [511] * 32}))
 
-    def run(name, nll):
+    def run(name, nll, index=None):
         return {"status": "ok", "train_tokens": 0, "method": "partial_rope+svd", "experiment": "budget_zero_shot",
                 "kv_mem_change_pct": -81.25, "kv_split": "searched", "rope": name, "rope_dims": "32", "r": None,
                 "d_kv": None, "heldout_ppl": float(np.exp(np.mean(nll))) if nll else 100.0, "options": name,
-                "heldout_row_nll": nll, "heldout_row_tokens": [511] * 32 if nll else None}
+                "heldout_row_nll": nll, "heldout_row_tokens": [511] * 32 if nll else None,
+                "heldout_row_index": index}
 
     runs = pd.DataFrame([run("lower", [x - 0.02 for x in ref_nll]),
                          run("same", [x + (0.01 if i % 2 else -0.01) for i, x in enumerate(ref_nll)]),
-                         run("unpaired", None)])
+                         run("unpaired", None),
+                         run("sampled rows", [x - 0.5 for x in ref_nll], index=list(range(0, 64, 2)))])
     table = budget_comparison(runs, reference_conversions(tmp_path)).set_index("options")
     assert table.loc["lower", "verdict"] == "ours lower"
     assert table.loc["lower", "ours / TransMLA [95 %]"].startswith(f"{np.exp(-0.02):.3f} [")
     assert table.loc["same", "verdict"] == "not resolved"
     assert table.loc["unpaired", "verdict"].startswith("no interval")
-    assert (table["KV elements"] == 72).all() and len(table) == 4  # TransMLA's own row beside ours
+    # a lower ppl on other rows (a stratified sample) is not a win over the reference's first rows
+    assert table.loc["sampled rows", "verdict"].startswith("not comparable")
+    assert table.loc["sampled rows", "ours / TransMLA [95 %]"] == ""
+    assert (table["KV elements"] == 72).all() and len(table) == 5  # TransMLA's own row beside ours
     from mha2mla_exp.aggregate.plots import budget_vs_reference
 
     ax = budget_vs_reference(table.reset_index()).axes[0]

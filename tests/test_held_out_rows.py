@@ -14,7 +14,7 @@ import torch
 
 from mha2mla_exp.aggregate import build_aggregate
 from mha2mla_exp.aggregate.perplexity_pairs import (
-    HeldOutRows, per_document_ratios, perplexity_pairs, ratio_interval, resampling_unit,
+    HeldOutRows, held_out_rows, per_document_ratios, perplexity_pairs, ratio_interval, resampling_unit,
 )
 from mha2mla_exp.data.held_out import row_documents, select_rows
 from mha2mla_exp.evaluation import run_evaluation
@@ -130,6 +130,16 @@ def test_a_verdict_needs_every_document_and_the_same_rows(tmp_path):
     assert len(split["B/A per document"]) == 3
     other_rows = pair("uniform", "2-norm") + pair("uniform", "high")     # scored other rows: not paired
     assert len(other_rows) == 2 and all(p["verdict"].startswith("no interval") for p in other_rows)
+
+
+def test_a_record_without_row_indices_scored_the_first_rows():
+    """TransMLA's reference runs and records older than the stratified sample keep no indices: they pair with a
+    record of the first rows, never with a sampled one."""
+    nll, tokens = [3.0, 3.1, 3.2, 3.3], [511] * 4
+    old = held_out_rows(nll, tokens)
+    assert old.same_rows(held_out_rows(nll, tokens, index=[0, 1, 2, 3]))
+    assert not old.same_rows(held_out_rows(nll, tokens, index=[0, 7, 14, 21]))
+    assert not held_out_rows(nll, tokens, index=[0, 7, 14, 21]).same_rows(old)
 
 
 def test_old_records_are_backfilled_with_their_rows_documents(tmp_path, monkeypatch):

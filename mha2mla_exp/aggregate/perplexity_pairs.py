@@ -103,9 +103,11 @@ class HeldOutRows:
     def same_rows(self, other: "HeldOutRows") -> bool:
         if len(self.nll) != len(other.nll) or not np.array_equal(self.tokens, other.tokens):
             return False
-        if self.index is not None and other.index is not None:
-            return self.index == other.index
-        return self.index is None and other.index is None   # one sampled, one the first rows: not the same
+        return self._indices() == other._indices()
+
+    def _indices(self) -> tuple:
+        # a record without indices predates the stratified sample: it scored the first rows
+        return self.index if self.index is not None else tuple(range(len(self.nll)))
 
 
 def held_out_rows(nll, tokens, documents=None, index=None) -> HeldOutRows | None:

@@ -99,8 +99,10 @@ def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFra
         ours_rows = held_out_rows(run.get("heldout_row_nll"), run.get("heldout_row_tokens"),
                                   run.get("heldout_row_document"), run.get("heldout_row_index"))
         ref_rows = ref["_rows"]
-        vs, per_document, unit, verdict = "", "", "", "no interval (no per-row NLL of the same rows)"
-        if ours_rows is not None and ref_rows is not None and ref_rows.same_rows(ours_rows):
+        vs, per_document, unit, verdict = "", "", "", "no interval (no per-row NLL kept)"
+        if ours_rows is not None and ref_rows is not None and not ref_rows.same_rows(ours_rows):
+            verdict = "not comparable: other held-out rows"   # its ppl is on rows the reference never scored
+        elif ours_rows is not None and ref_rows is not None:
             ratio, low, high = ratio_interval(ref_rows, ours_rows)
             by_document = per_document_ratios(ref_rows, ours_rows)
             vs, unit = f"{ratio:.3f} [{low:.3f}, {high:.3f}]", resampling_unit(ref_rows)
