@@ -58,6 +58,9 @@ def test_weights_of_a_trained_model_load_back_to_the_same_evaluation(tmp_path):
     assert second["reused_trained_model"] is True
     assert second["eval"]["perplexity"]["heldout"] == pytest.approx(first["eval"]["perplexity"]["heldout"], rel=1e-6)
     assert second["kv"]["bytes_per_token_measured"] == first["kv"]["bytes_per_token_measured"]
+    # the reused record says what the kept model is and what it cost, as the run that trained it did
+    assert second["conversion"] == first["conversion"] and second["conversion"]["rope_layout"]
+    assert second["timings"]["train_s"] == first["timings"]["train_s"] > 0
 
 
 def test_a_budget_that_would_repeat_the_corpus_is_refused_before_loading(tmp_path, monkeypatch):

@@ -220,6 +220,10 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
             timings["load_s"] = round(time.perf_counter() - t, 3)
             record.update({k: v for k, v in info.items() if k in ("train", "distill", "rope_pairs")})
             record["model"].update(info["model"])
+            _describe_model(record, plan, model)   # the conversion's facts live in the kept model's config
+            for stage in ("distill", "train"):      # the seconds the kept model cost, as its own run recorded
+                if isinstance(record.get(stage), dict) and "seconds" in record[stage]:
+                    timings[f"{stage}_s"] = record[stage]["seconds"]
             record["reused_trained_model"] = True
             log.info("reusing the kept trained model %s", trained.dir)
             return model
