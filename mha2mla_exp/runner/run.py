@@ -221,9 +221,7 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
             record.update({k: v for k, v in info.items() if k in ("train", "distill", "rope_pairs")})
             record["model"].update(info["model"])
             _describe_model(record, plan, model)   # the conversion's facts live in the kept model's config
-            for stage in ("distill", "train"):      # the seconds the kept model cost, as its own run recorded
-                if isinstance(record.get(stage), dict) and "seconds" in record[stage]:
-                    timings[f"{stage}_s"] = record[stage]["seconds"]
+            _stage_seconds(record)
             record["reused_trained_model"] = True
             log.info("reusing the kept trained model %s", trained.dir)
             return model
@@ -302,7 +300,6 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
 
 
 def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
-    timings = record["timings"]
     original, model = _converted(cfg, plan, tokenizer, data, record, dist)
     if plan.distill:
         done = trained.dir / "distill.json"
@@ -312,7 +309,7 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
             record["distill"] = stages.distill(cfg, plan, original, model, data)
             if dist.is_main_process:
                 write_json_atomic(done, record["distill"])
-        timings["distill_s"] = record["distill"]["seconds"]
+        _stage_seconds(record)
     _describe_model(record, plan, model)
 
     if plan.fine_tune:
@@ -334,7 +331,7 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
             teacher=teacher, pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log,
             probe=stages.heldout_probe(cfg, data), fail_at_step=fail_at_step,
         )
-        timings["train_s"] = record["train"]["seconds"]
+        _stage_seconds(record)
         teacher = None
     original = None
     if dist.is_main_process:
@@ -342,6 +339,13 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
                      | {"status": "ok", "trained_hash": plan.trained_hash})
         remove_checkpoint(trained.dir)  # the weights are kept, the resume point is no longer needed
     return model
+
+
+def _stage_seconds(record: dict) -> None:
+    """timings.distill_s / train_s: what each stage of the trained model cost, as the stage recorded it."""
+    for stage in ("distill", "train"):
+        if isinstance(record.get(stage), dict) and "seconds" in record[stage]:
+            record["timings"][f"{stage}_s"] = record[stage]["seconds"]
 
 
 def _describe_model(record: dict, plan: RunPlan, model) -> None:
