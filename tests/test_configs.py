@@ -4,15 +4,17 @@ validates against the model's shape facts, without loading any weight."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mha2mla_exp.runner import ConfigError, validate
+from mha2mla_exp.runner import ConfigError, plan_run, validate
 from mha2mla_exp.runner.config import describe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+PUBLISHED_RUNS = CONF.parent / "results" / "runs"
 GROUPS = ["model", "data", "rope", "svd", "kv_quant", "train", "eval", "logger"]
 
 
@@ -70,13 +72,18 @@ def test_every_experiment_and_cell_composes_and_validates(name, aws_access, tmp_
         grids.append([f"{key}={v}" for v in values])
     import itertools
 
-    names = set()
     offline = offline_longbench(cfg, tmp_path)
-    for combo in itertools.product(*grids):
-        cell = compose_cfg([f"+experiment={name}", *combo, *offline])
-        plan = validate(cell)
-        names.add(describe(plan, cell))
-    assert len(names) == len(list(itertools.product(*grids))), "two cells of the grid would share a run name"
+    one_process = SimpleNamespace(num_processes=1, is_main_process=True)
+    # planned as the runner plans them against the published runs (`train.precision=auto` goes on in the mode a
+    # committed record was made in), on a CPU where bf16 pays and on one where it does not, whichever this is
+    for bf16_fast in (True, False):
+        names = set()
+        for combo in itertools.product(*grids):
+            cell = compose_cfg([f"+experiment={name}", *combo, *offline, f"results_dir={PUBLISHED_RUNS}"])
+            plan = plan_run(cell, one_process, bf16_pays=lambda *_, fast=bf16_fast: (fast, "pinned by the test"))
+            names.add(describe(plan, cell))
+        assert len(names) == len(list(itertools.product(*grids))), \
+            f"two cells of the grid would share a run name (bf16 pays: {bf16_fast})"
 
 
 def test_partial_rope_ablation_is_paper_table_3():

@@ -44,7 +44,7 @@ def trained_model_for(cfg: DictConfig, plan: RunPlan) -> TrainedModel:
 def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's)."""
     dist = process_state(cfg)
-    plan = _plan(cfg, dist)  # every config error surfaces here, before any weight is touched
+    plan = plan_run(cfg, dist)  # every config error surfaces here, before any weight is touched
     run_dir = run_dir_for(cfg, plan)
     previous = read_results(run_dir)
     if previous and previous.get("status") in FINAL_STATUSES:
@@ -130,12 +130,12 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     return record
 
 
-def _plan(cfg: DictConfig, dist) -> RunPlan:
+def plan_run(cfg: DictConfig, dist, bf16_pays=None) -> RunPlan:
     """The validated plan, `auto` precision and `eval.dtype=fastest` decided once for every process. A probe
     decides a fresh run, never a relaunch: where `train.precision=auto` on CPU finds work of this run only
     under the other mode (a checkpoint, a kept model, a record: a busier machine can time bf16 the other way),
-    the run goes on in that mode, under its identity."""
-    bf16_pays = shared_bf16_verdict(dist)
+    the run goes on in that mode, under its identity. `bf16_pays`: a verdict to use instead of the probe's."""
+    bf16_pays = bf16_pays or shared_bf16_verdict(dist)
     plan = validate(cfg, bf16_pays=bf16_pays)
     if cfg.train.get("precision") != "auto" or plan.precision is None or plan.device_type != "cpu":
         return plan
