@@ -509,6 +509,48 @@ def _scores_of(answers):
     return scores
 
 
+def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_controls(tmp_path):
+    """A row per fine-tuned run, its Avg − original paired on the same docs; a control (more tokens than its
+    recovery's usual budget) says what differs; a run scored in another dtype is not paired; the plot draws a
+    panel per KV saving and the control hollow."""
+    from mha2mla_exp.aggregate.recovery_study import recovery_grid
+
+    n = 20
+    runs = {  # name: (method, tokens, d_kv, objective, on the teacher's text, correct docs of 20, eval dtype)
+        "original": ("original", 0, 16, None, False, 16, "float32"),
+        "ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
+        "ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
+        "ce_teacher_again": ("mla", 8192, 32, "ce", True, 14, "float32"),
+        "ce_teacher_long": ("mla", 16384, 16, "ce", True, 13, "float32"),
+        "kd_teacher": ("mla", 8192, 16, "kd", True, 11, "float32"),
+        "kd_teacher_bf16": ("mla", 8192, 16, "kd", True, 11, "bfloat16"),
+    }
+    for name, (method, tokens, d_kv, objective, teacher, correct, dtype) in runs.items():
+        answers = {c: [0] * correct + [1] * (n - correct) for c in PARTS}
+        record = _record(method, tokens, d_kv=d_kv, n=n) | {"experiment": "teacher_recovery", "run_name": name}
+        record["eval"]["commonsense"].update(_scores_of(answers))
+        record["eval"]["meta"]["dtype"] = dtype
+        if objective:
+            record["train"]["objective"] = objective
+        if teacher:
+            record["train_data"] = {"name": "teacher-samples", "source": "teacher"}
+        _write(tmp_path, name, record, rows=_commonsense_rows(answers))
+    grid = recovery_grid(build_aggregate([tmp_path]).runs, "teacher_recovery")
+    grid = grid.assign(delta=grid["delta"].round(6)).set_index("delta")
+    # every column answered alike: Avg − original = (correct − 16) / 20 in points
+    assert sorted(grid.index) == pytest.approx([-30.0, -25.0, -20.0, -15.0, -10.0])
+    assert grid.loc[-30.0, "recovery"] == "ce on sotu" and grid.loc[-25.0, "recovery"] == "kd on teacher-samples"
+    assert (grid["recovery"] == "ce on teacher-samples").sum() == 3
+    assert grid.loc[-15.0, "differs"] == "16,384 tokens"                            # the control, named
+    assert (grid.drop(index=-15.0)["differs"] == "").all()
+    assert sorted(grid["kv saving %"].unique()) == [-81.25, -68.75]
+    assert (grid["high"] > grid.index).all() and (grid["low"] < grid.index).all()   # a paired interval each
+    figure = plots.recovery_grid(grid.reset_index(), "t", -2.0)
+    assert [ax.get_title(loc="left") for ax in figure.axes[:2]] == ["KV cache -68.75 %", "KV cache -81.25 %"]
+    hollow = [line for ax in figure.axes for line in ax.lines if line.get_markerfacecolor() == "white"]
+    assert [list(line.get_xdata()) for line in hollow if len(line.get_xdata())] == [[pytest.approx(-15.0)]]
+
+
 def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
     columns = PARTS
     fp32 = {c: [i % 3 for i in range(30)] for c in columns}

@@ -15,7 +15,7 @@ from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, 
 from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
-from .recovery_study import RECOVERY_EXPERIMENTS, recovery_table
+from .recovery_study import RECOVERY_EXPERIMENTS, recovery_grid, recovery_table
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, budget_comparison, reference_conversions, zero_shot_table
 
 
@@ -76,7 +76,8 @@ PAIRWISE_EXPERIMENTS = {"headline": ("headline", "commonsense"), "recovery": ("r
                         "passkey_nope": ("passkey_nope", "long_context"),
                         "teacher_recovery_pairs": ("teacher_recovery", "commonsense")}
 # pairwise table -> (the row every other is plotted against, the goal line in points: issue 23's -2.0)
-DELTA_PLOTS = {"teacher_recovery_pairs": ("original", -2.0)}
+RECOVERY_GOALS = {"teacher_recovery": -2.0}  # experiment -> its goal in Avg points against the original (issue 23)
+DELTA_PLOTS = {"teacher_recovery_pairs": ("original", RECOVERY_GOALS["teacher_recovery"])}
 # table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
 PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1")}
 TASK_COLUMNS = {name: list(spec.paper_tasks) for name, spec in TABLES.items() if spec.suite == "commonsense"}
@@ -181,6 +182,16 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "rows of train.eval_batches) read at the shortest run's seconds; final ppl: "
                                    "eval.perplexity's held-out rows; Avg: commonsense, points, paired bootstrap "
                                    "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
+        grid = recovery_grid(aggregate.runs, experiment)
+        if len(grid):
+            written += write_table(grid.drop(columns=["run_dir"]).round({c: 2 for c in ("avg", "delta", "low", "high")}), tables, f"{experiment}_grid",
+                                   f"Experiment {experiment}: the ingredient grid, each row against the original",
+                                   "delta [low, high]: Avg − original in points with a paired bootstrap 95% "
+                                   "interval over the same documents; differs: what sets a control apart from its "
+                                   "recovery's usual recipe in this experiment; one seed each.")
+            written += plots.save_figure(plots.recovery_grid(
+                grid, f"Experiment {experiment}: what each conversion keeps after each recovery, against the "
+                "original", RECOVERY_GOALS.get(experiment)), out_dir / "plots", f"{experiment}_grid")
     check = comparisons.dtype_check(aggregate.runs)
     if len(check):
         check.to_csv(tables / "dtype_check.csv", index=False)

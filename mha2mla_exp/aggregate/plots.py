@@ -4,6 +4,7 @@ so callers can test the axes and series or save them with `save_figure`."""
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -450,4 +451,56 @@ def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
     ax.set_xticks(sorted(comparison["KV elements"].unique()))
     ax.legend(fontsize=5)
     ax.set_title("Ours against TransMLA's converter at equal KV bytes", fontsize=9)
+    return figure
+
+
+def recovery_grid(grid: pd.DataFrame, title: str, target: float | None = None) -> Figure:
+    """`recovery_study.recovery_grid` as one panel per KV saving: a block per conversion, a line per run coloured
+    by its recovery (data and objective), Avg − original with its paired bootstrap 95 % interval. Filled: the
+    recovery's usual recipe in the experiment (a grid cell); hollow and annotated: a control that differs
+    (tokens, lr, trainable parameters, recovery set); square: trained in fp32, circle: bf16 autocast."""
+    savings = sorted(grid["kv saving %"].unique(), reverse=True) if len(grid) else []
+    heights = [len(grid[grid["kv saving %"] == s]) + grid[grid["kv saving %"] == s]["conversion"].nunique()
+               for s in savings] or [1]
+    figure = Figure(figsize=(11, 1.4 + 0.22 * sum(heights) + 0.5 * len(heights)))
+    axes = figure.subplots(len(heights), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
+    if not len(grid):
+        _empty_note(axes[0], "no fine-tuned row paired with the original")
+        return figure
+    colors = {recovery: f"C{i}" for i, recovery in enumerate(sorted(grid["recovery"].unique()))}
+    for ax, saving in zip(axes, savings):
+        panel = grid[grid["kv saving %"] == saving].sort_values(["conversion", "recovery", "differs", "precision"])
+        y, ticks, labels = 0.0, [], []
+        for conversion, runs in reversed(list(panel.groupby("conversion", sort=True))):
+            block = []
+            for _, run in runs.iloc[::-1].iterrows():
+                color, control = colors[run["recovery"]], bool(run["differs"])
+                ax.plot([run["low"], run["high"]], [y, y], "-", color=color, lw=1.5, alpha=0.5 if control else 1)
+                ax.plot(run["delta"], y, "s" if run["precision"] == "fp32" else "o", color=color,
+                        markerfacecolor="white" if control else color, markersize=5)
+                if control:
+                    ax.annotate(run["differs"], (run["high"], y), textcoords="offset points", xytext=(4, -2.5),
+                                fontsize="xx-small", color=color)
+                block.append(y)
+                y += 1
+            ticks.append(float(np.mean(block)))
+            labels.append(textwrap.fill(conversion, 48))
+            ax.axhline(y, color="grey", lw=0.4)
+            y += 1
+        ax.set_yticks(ticks, labels, fontsize="xx-small")
+        ax.set_ylim(-0.8, y - 0.8)
+        ax.axvline(0.0, color="black", lw=0.8)
+        if target is not None:
+            ax.axvline(target, color="black", lw=0.8, ls="--")
+        ax.set_title(f"KV cache {saving:+.2f} %", fontsize="small", loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    handles = [axes[0].plot([], [], "o", color=c, label=r)[0] for r, c in colors.items()]
+    handles += [axes[0].plot([], [], "s", color="grey", label="trained in fp32")[0],
+                axes[0].plot([], [], "o", color="grey", markerfacecolor="white", label="control (annotated)")[0]]
+    if target is not None:
+        handles.append(axes[0].plot([], [], "--", color="black", lw=0.8, label=f"goal: {target:+g} points")[0])
+    axes[0].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1].set_xlabel("Avg − original (points); bar: paired bootstrap 95 % over the same documents")
+    figure.suptitle(title, fontsize="small")
+    figure.tight_layout()
     return figure

@@ -8,6 +8,9 @@ held-out perplexity, and its commonsense Avg with a paired 95% interval against 
 cross-entropy on all parameters, no distillation). The unconverted model, where the experiment has it, is the
 first row. The recipe with the lowest perplexity at the common budget is marked `best per second`; its Avg
 difference says whether the commonsense suite resolves the choice.
+
+`recovery_grid` reads the same runs as an ingredient grid (issue 23): KV saving x conversion x recovery data and
+objective, each cell's Avg against the unconverted original on the same documents.
 """
 
 from __future__ import annotations
@@ -117,3 +120,49 @@ def _interval_text(diff) -> str:
     if diff is None:
         return ""
     return f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]" + ("" if diff.resolved else " not resolved")
+
+
+def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
+    """The ingredient grid of a recovery experiment: every fine-tuned row against the unconverted original on the
+    same documents, as (KV saving, conversion, recovery) -> Avg − original with its paired 95 % interval.
+    `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
+    from its recovery's usual recipe in this experiment (the most common tokens, lr, trainable parameters and
+    recovery set of its data and objective), so that a control (longer, attention only, ...) is not read as a grid cell."""
+    ok = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
+    rows = rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
+    original = next((r for r in rows if r.runs[0]["method"] == "original"), None)
+    tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
+    if original is None or not tuned:
+        return pd.DataFrame()
+    same_docs = (original.key["eval_sample"], original.key["eval_dtype"])
+    records = []
+    for row in tuned:
+        run = row.runs[0]
+        diff = delta(row, original).get("avg")
+        if diff is None or (row.key["eval_sample"], row.key["eval_dtype"]) != same_docs:
+            continue  # other documents, or the same in another dtype: no pair (as `comparisons.pairwise`)
+        recovered_on = run["train_data"] if isinstance(run.get("train_data"), str) else run.get("data")
+        records.append({
+            "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
+            "conversion": conversion_label(run) if run["method"] == "partial_rope+svd" else "full attention (unconverted)",
+            "recovery": f"{run['objective']} on {str(recovered_on).split(' (')[0]}",
+            "recovery set": recovered_on, "objective": run["objective"], "tokens": int(run["train_tokens"]),
+            "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
+            "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
+            "resolved": diff.resolved, "run_dir": run["run_dir"]})
+    grid = pd.DataFrame.from_records(records)
+    usual = {column: grid.groupby("recovery")[column].agg(lambda s: s.mode(dropna=False).iloc[0])
+             for column in ("tokens", "lr", "trainable", "recovery set")}
+    grid["differs"] = [_differs(row, {c: usual[c][row["recovery"]] for c in usual}) for row in grid.to_dict("records")]
+    return grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True]).reset_index(drop=True)
+
+
+def _differs(row: dict, usual: dict) -> str:
+    def other(column) -> bool:  # two missing values (a record without the key) are the same
+        return not (row[column] == usual[column] or (pd.isna(row[column]) and pd.isna(usual[column])))
+
+    notes = [f"{row['tokens']:,} tokens"] if other("tokens") else []
+    notes += [f"lr {row['lr']:g}"] if other("lr") else []
+    notes += [f"{row['trainable']} only"] if other("trainable") else []
+    notes += [str(row["recovery set"])] if other("recovery set") else []
+    return ", ".join(notes)
