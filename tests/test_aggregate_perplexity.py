@@ -206,6 +206,23 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     assert high_bar.get_color() == VERDICT_COLORS["B lower"]
 
 
+def test_perplexity_pairs_say_why_a_pair_has_no_interval(tmp_path):
+    runs = tmp_path / "runs"
+    _ppl_run(runs, "2norm", rope="2-norm", d_kv=16, seed=0, row_nll=[4.0] * 24)
+    _ppl_run(runs, "high", rope="high", d_kv=16, seed=0, row_nll=[3.9] * 12)    # other (fewer) held-out rows
+    _ppl_run(runs, "uniform", rope="uniform", d_kv=16, seed=0, row_nll=[4.1] * 24)
+    record = json.loads((runs / "uniform/results.json").read_text())
+    del record["eval"]["perplexity"]["row_nll"], record["eval"]["perplexity"]["row_tokens"]
+    (runs / "uniform/results.json").write_text(json.dumps(record))
+    pairs = perplexity_pairs(build_aggregate([runs]).runs, ("cpu10x_table3",))
+    by = {(row["A"].split(" r=")[0], row["B"].split(" r=")[0]): row for row in pairs.to_dict("records")}
+    assert by[("2-norm", "high")]["verdict"] == "not comparable: other held-out rows"
+    assert by[("2-norm", "uniform")]["verdict"].startswith("no interval (per-row NLL not kept")
+    assert by[("high", "uniform")]["verdict"].startswith("no interval")
+    assert by[("2-norm", "high")]["B/A"] == pytest.approx(math.exp(-0.1))    # the ratio of the two means, no interval
+    assert math.isnan(by[("2-norm", "high")]["B/A low"])
+
+
 def test_perplexity_pairs_leave_out_two_changes_within_a_factor(tmp_path):
     runs = tmp_path / "runs"
     base = list(4.0 + np.random.default_rng(1).normal(0, 0.3, 24))

@@ -189,8 +189,10 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
         estimate, low, high = ratio_interval(rows_a, rows_b) if comparable else (_ppl(b) / _ppl(a), np.nan, np.nan)
         per_document = per_document_ratios(rows_a, rows_b) if comparable else ()
         agree = len(per_seed) > 0 and _one_direction(per_seed) and (not per_document or _one_direction(per_document))
-        if not comparable:
-            verdict = "no interval (no per-row NLL of the same rows)"
+        if rows_a is None or rows_b is None:
+            verdict = "no interval (per-row NLL not kept, or its seeds scored other rows)"
+        elif not comparable:
+            verdict = "not comparable: other held-out rows"   # B/A is then a ratio of two samples' means
         elif (high < 1 or low > 1) and agree:
             verdict = "B lower" if estimate < 1 else "B higher"
         else:
