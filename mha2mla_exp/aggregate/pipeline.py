@@ -75,8 +75,9 @@ PAIRWISE_EXPERIMENTS = {"headline": ("headline", "commonsense"), "recovery": ("r
                         "cpu10x_table1": ("cpu10x_table1", "commonsense"),
                         "passkey_nope": ("passkey_nope", "long_context"),
                         "teacher_recovery_pairs": ("teacher_recovery", "commonsense")}
-# pairwise table -> (the row every other is plotted against, the goal line in points: issue 23's -2.0)
-RECOVERY_GOALS = {"teacher_recovery": -2.0}  # experiment -> its goal in Avg points against the original (issue 23)
+# experiment -> its goal in Avg points against the original (issue 23): a line on its plots
+RECOVERY_GOALS = {"teacher_recovery": -2.0}
+# pairwise table -> (the row every other is plotted against, the goal line in points)
 DELTA_PLOTS = {"teacher_recovery_pairs": ("original", RECOVERY_GOALS["teacher_recovery"])}
 # table name -> experiments read together: every pair of their rows that differs in one factor, by perplexity
 PERPLEXITY_PAIRS = {"cpu10x_perplexity": ("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1")}
@@ -184,7 +185,8 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
         grid = recovery_grid(aggregate.runs, experiment)
         if len(grid):
-            written += write_table(grid.drop(columns=["run_dir"]).round({c: 2 for c in ("avg", "delta", "low", "high")}), tables, f"{experiment}_grid",
+            shown = grid.drop(columns=["run_dir"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
+            written += write_table(shown, tables, f"{experiment}_grid",
                                    f"Experiment {experiment}: the ingredient grid, each row against the original",
                                    "delta [low, high]: Avg − original in points with a paired bootstrap 95% "
                                    "interval over the same documents; differs: what sets a control apart from its "
