@@ -519,6 +519,7 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     runs = {  # name: (method, tokens, d_kv, objective, on the teacher's text, correct docs of 20, eval dtype)
         "original": ("original", 0, 16, None, False, 16, "float32"),
         "ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
+        "ce_sotu_short": ("mla", 4096, 16, "ce", False, 9, "float32"),   # one of each on SOTU: ce's budget decides
         "ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
         "ce_teacher_again": ("mla", 8192, 32, "ce", True, 14, "float32"),
         "ce_teacher_long": ("mla", 16384, 16, "ce", True, 13, "float32"),
@@ -538,17 +539,18 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     grid = recovery_grid(build_aggregate([tmp_path]).runs, "teacher_recovery")
     grid = grid.assign(delta=grid["delta"].round(6)).set_index("delta")
     # every column answered alike: Avg − original = (correct − 16) / 20 in points
-    assert sorted(grid.index) == pytest.approx([-30.0, -25.0, -20.0, -15.0, -10.0])
+    assert sorted(grid.index) == pytest.approx([-35.0, -30.0, -25.0, -20.0, -15.0, -10.0])
     assert grid.loc[-30.0, "recovery"] == "ce on sotu" and grid.loc[-25.0, "recovery"] == "kd on teacher-samples"
     assert (grid["recovery"] == "ce on teacher-samples").sum() == 3
-    assert grid.loc[-15.0, "differs"] == "16,384 tokens"                            # the control, named
-    assert (grid.drop(index=-15.0)["differs"] == "").all()
+    assert grid.loc[-15.0, "differs"] == "16,384 tokens"                            # the controls, named
+    assert grid.loc[-35.0, "differs"] == "4,096 tokens"
+    assert (grid.drop(index=[-15.0, -35.0])["differs"] == "").all()
     assert sorted(grid["kv saving %"].unique()) == [-81.25, -68.75]
     assert (grid["high"] > grid.index).all() and (grid["low"] < grid.index).all()   # a paired interval each
     figure = plots.recovery_grid(grid.reset_index(), "t", -2.0)
     assert [ax.get_title(loc="left") for ax in figure.axes[:2]] == ["KV cache -68.75 %", "KV cache -81.25 %"]
     hollow = [line for ax in figure.axes for line in ax.lines if line.get_markerfacecolor() == "white"]
-    assert [list(line.get_xdata()) for line in hollow if len(line.get_xdata())] == [[pytest.approx(-15.0)]]
+    assert sorted(line.get_xdata()[0] for line in hollow if len(line.get_xdata())) == pytest.approx([-35.0, -15.0])
 
 
 def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):

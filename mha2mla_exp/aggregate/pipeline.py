@@ -186,6 +186,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
         grid = recovery_grid(aggregate.runs, experiment)
         if len(grid):
             shown = grid.drop(columns=["run_dir"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
+            shown["lr"] = shown["lr"].map(lambda lr: "" if pd.isna(lr) else f"{lr:g}")   # 3e-4, not 0.00
             written += write_table(shown, tables, f"{experiment}_grid",
                                    f"Experiment {experiment}: the ingredient grid, each row against the original",
                                    "delta [low, high]: Avg − original in points with a paired bootstrap 95% "

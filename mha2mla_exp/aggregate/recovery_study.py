@@ -126,8 +126,8 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     """The ingredient grid of a recovery experiment: every fine-tuned row against the unconverted original on the
     same documents, as (KV saving, conversion, recovery) -> Avg − original with its paired 95 % interval.
     `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
-    from its recovery's usual recipe in this experiment (the most common tokens, lr, trainable parameters and
-    recovery set of its data and objective), so that a control (longer, attention only, ...) is not read as a grid cell."""
+    from its recovery's usual recipe in this experiment (the most common tokens, lr and trainable parameters of
+    its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is not read as a grid cell."""
     ok = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
     rows = rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
     original = next((r for r in rows if r.runs[0]["method"] == "original"), None)
@@ -151,9 +151,14 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
             "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
             "resolved": diff.resolved, "run_dir": run["run_dir"]})
     grid = pd.DataFrame.from_records(records)
-    usual = {column: grid.groupby("recovery")[column].agg(lambda s: s.mode(dropna=False).iloc[0])
-             for column in ("tokens", "lr", "trainable", "recovery set")}
-    grid["differs"] = [_differs(row, {c: usual[c][row["recovery"]] for c in usual}) for row in grid.to_dict("records")]
+    # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
+    usual = {column: grid.groupby(by)[column].agg(lambda s: s.mode(dropna=False).iloc[0])
+             for column, by in (("tokens", "objective"), ("lr", "objective"), ("trainable", "objective"),
+                                ("recovery set", "recovery"))}
+    grid["differs"] = [_differs(row, {"tokens": usual["tokens"][row["objective"]], "lr": usual["lr"][row["objective"]],
+                                      "trainable": usual["trainable"][row["objective"]],
+                                      "recovery set": usual["recovery set"][row["recovery"]]})
+                       for row in grid.to_dict("records")]
     return grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True]).reset_index(drop=True)
 
 
