@@ -76,14 +76,12 @@ def test_every_experiment_and_cell_composes_and_validates(name, aws_access, tmp_
     one_process = SimpleNamespace(num_processes=1, is_main_process=True)
     # planned as the runner plans them against the published runs (`train.precision=auto` goes on in the mode a
     # committed record was made in), on a CPU where bf16 pays and on one where it does not, whichever this is
+    cells = [compose_cfg([f"+experiment={name}", *combo, *offline, f"results_dir={PUBLISHED_RUNS}"])
+             for combo in itertools.product(*grids)]
     for bf16_fast in (True, False):
-        names = set()
-        for combo in itertools.product(*grids):
-            cell = compose_cfg([f"+experiment={name}", *combo, *offline, f"results_dir={PUBLISHED_RUNS}"])
-            plan = plan_run(cell, one_process, bf16_pays=lambda *_, fast=bf16_fast: (fast, "pinned by the test"))
-            names.add(describe(plan, cell))
-        assert len(names) == len(list(itertools.product(*grids))), \
-            f"two cells of the grid would share a run name (bf16 pays: {bf16_fast})"
+        names = {describe(plan_run(cell, one_process, bf16_pays=lambda *_, fast=bf16_fast: (fast, "pinned by the test")),
+                          cell) for cell in cells}
+        assert len(names) == len(cells), f"two cells of the grid would share a run name (bf16 pays: {bf16_fast})"
 
 
 def test_partial_rope_ablation_is_paper_table_3():

@@ -41,8 +41,8 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
                                  r.key["train_tokens"] or 0))
     records = []
     for a, b in itertools.combinations(rows, 2):
-        if (a.key["eval_sample"], a.key["eval_dtype"]) != (b.key["eval_sample"], b.key["eval_dtype"]):
-            continue  # never paired across doc samples
+        if not same_docs(a, b):
+            continue
         diff = delta(b, a)
         tasks = COMMONSENSE if suite == "commonsense" else list(b.spec.metric)
         cells = row_cells(b, diff, _ALL[suite].score, tasks)
@@ -50,6 +50,11 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
                         "A avg": a.scores["avg"], "B recovery text ppl": _recovery_text_ppl(b)} | cells | {
             "verdict": _verdict(diff.get("avg"))})
     return pd.DataFrame.from_records(records)
+
+
+def same_docs(a, b) -> bool:
+    """Two rows scored on the same documents in the same dtype: the only rows that are ever paired."""
+    return (a.key["eval_sample"], a.key["eval_dtype"]) == (b.key["eval_sample"], b.key["eval_dtype"])
 
 
 def _recovery_text_ppl(row) -> float | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .comparisons import _ALL
+from .comparisons import _ALL, same_docs
 from .records import recovery_recipe
 from .tables import delta, rows_of_ours
 
@@ -134,13 +134,12 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
     if original is None or not tuned:
         return pd.DataFrame()
-    same_docs = (original.key["eval_sample"], original.key["eval_dtype"])
     records = []
     for row in tuned:
         run = row.runs[0]
-        diff = delta(row, original).get("avg")
-        if diff is None or (row.key["eval_sample"], row.key["eval_dtype"]) != same_docs:
-            continue  # other documents, or the same in another dtype: no pair (as `comparisons.pairwise`)
+        diff = delta(row, original).get("avg") if same_docs(row, original) else None
+        if diff is None:
+            continue
         recovered_on = run["train_data"] if isinstance(run.get("train_data"), str) else run.get("data")
         records.append({
             "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
@@ -152,13 +151,11 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
             "resolved": diff.resolved, "run_dir": run["run_dir"]})
     grid = pd.DataFrame.from_records(records)
     # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
-    usual = {column: grid.groupby(by)[column].agg(lambda s: s.mode(dropna=False).iloc[0])
-             for column, by in (("tokens", "objective"), ("lr", "objective"), ("trainable", "objective"),
-                                ("recovery set", "recovery"))}
-    grid["differs"] = [_differs(row, {"tokens": usual["tokens"][row["objective"]], "lr": usual["lr"][row["objective"]],
-                                      "trainable": usual["trainable"][row["objective"]],
-                                      "recovery set": usual["recovery set"][row["recovery"]]})
-                       for row in grid.to_dict("records")]
+    usual = pd.DataFrame({column: grid.groupby(by)[column].transform(lambda s: s.mode(dropna=False).iloc[0])
+                          for column, by in (("tokens", "objective"), ("lr", "objective"),
+                                             ("trainable", "objective"), ("recovery set", "recovery"))})
+    grid["differs"] = [_differs(row, expected) for row, expected in
+                       zip(grid.to_dict("records"), usual.to_dict("records"))]
     return grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True]).reset_index(drop=True)
 
 
