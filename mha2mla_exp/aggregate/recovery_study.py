@@ -20,7 +20,7 @@ import pandas as pd
 
 from .comparisons import _ALL, same_docs
 from .records import recovery_recipe
-from .tables import delta, rows_of_ours
+from .tables import Row, delta, rows_of_ours
 
 RECOVERY_EXPERIMENTS = ("recovery_study", "teacher_recovery")
 REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
@@ -61,9 +61,18 @@ def ppl_at(curve: pd.DataFrame, seconds: float) -> float | None:
     return float(np.exp(np.interp(seconds, curve["seconds"], np.log(curve["ppl"]))))
 
 
+def _ok_runs(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
+    return runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
+
+
+def _original(rows: list[Row]) -> Row | None:
+    """The unconverted, untrained model's scored row: what every recipe recovers towards."""
+    return next((r for r in rows if r.runs[0]["method"] == "original"), None)
+
+
 def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) -> pd.DataFrame:
-    ok = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")
-              & runs["method"].isin(["original", "partial_rope+svd"])] if len(runs) else runs
+    ok = _ok_runs(runs, experiment)
+    ok = ok[ok["method"].isin(["original", "partial_rope+svd"])] if len(ok) else ok
     if not (ok["method"] == "partial_rope+svd").any():
         return pd.DataFrame()
     recipes = [ORIGINAL if r["method"] == "original" else recovery_recipe(r) for r in ok.to_dict("records")]
@@ -79,7 +88,7 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     conversions = {run["run_dir"]: conversion_label(run) for run in ok.to_dict("records")}
     several = len({c for c in conversions.values() if c}) > 1
     references = {conversions[d]: r for d, r in scored.items() if _is_reference(r.runs[0])}
-    original = next((r for d, r in scored.items() if r.runs[0]["method"] == "original"), None)
+    original = _original(list(scored.values()))
     trains_elsewhere = ok["train_data"].notna().any() if "train_data" in ok else False
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
@@ -128,9 +137,9 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
     from its recovery's usual recipe in this experiment (the most common tokens, lr and trainable parameters of
     its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is not read as a grid cell."""
-    ok = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
+    ok = _ok_runs(runs, experiment)
     rows = rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
-    original = next((r for r in rows if r.runs[0]["method"] == "original"), None)
+    original = _original(rows)
     tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
     if original is None or not tuned:
         return pd.DataFrame()
