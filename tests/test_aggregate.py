@@ -553,6 +553,28 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     assert sorted(line.get_xdata()[0] for line in hollow if len(line.get_xdata())) == pytest.approx([-35.0, -15.0])
 
 
+def test_recovery_matrix_lays_the_usual_recipes_out_as_conversion_by_recovery():
+    """A cell per (saving, conversion) x recovery; a control is left to the grid; twins in two training precisions
+    share their cell, each named; a combination not run is an empty cell."""
+    from mha2mla_exp.aggregate.recovery_study import recovery_matrix
+
+    def row(saving, conversion, recovery, delta, precision="fp32", differs=""):
+        return {"kv saving %": saving, "conversion": conversion, "recovery": recovery, "delta": delta,
+                "low": delta - 1.5, "high": delta + 1.5, "resolved": abs(delta) > 1.5, "precision": precision,
+                "differs": differs, "run_dir": f"{conversion}/{recovery}/{precision}/{differs}"}
+
+    grid = pd.DataFrame([row(-81.25, "a", "ce on sotu", -6.6), row(-81.25, "a", "ce on teacher", -4.7),
+                         row(-81.25, "a", "ce on teacher", -5.1, precision="bf16-autocast"),
+                         row(-81.25, "a", "ce on teacher", -5.7, differs="1,536,000 tokens"),
+                         row(-68.75, "b", "kd on teacher", -1.0)])
+    matrix = recovery_matrix(grid).set_index(["kv saving %", "conversion"])
+    assert list(matrix.index) == [(-68.75, "b"), (-81.25, "a")]
+    assert matrix.loc[(-81.25, "a"), "ce on sotu"] == "-6.6 [-8.1, -5.1]"
+    assert matrix.loc[(-81.25, "a"), "ce on teacher"] == "-4.7 [-6.2, -3.2] (fp32) / -5.1 [-6.6, -3.6] (bf16-autocast)"
+    assert matrix.loc[(-68.75, "b"), "kd on teacher"] == "-1.0 [-2.5, +0.5] n.r."
+    assert matrix.loc[(-68.75, "b"), "ce on sotu"] == "" and matrix.loc[(-81.25, "a"), "kd on teacher"] == ""
+
+
 def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
     columns = PARTS
     fp32 = {c: [i % 3 for i in range(30)] for c in columns}

@@ -15,7 +15,7 @@ from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, 
 from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
-from .recovery_study import RECOVERY_EXPERIMENTS, recovery_grid, recovery_table
+from .recovery_study import RECOVERY_EXPERIMENTS, recovery_grid, recovery_matrix, recovery_table
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, budget_comparison, reference_conversions, zero_shot_table
 
 
@@ -192,6 +192,11 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "delta [low, high]: Avg − original in points with a paired bootstrap 95% "
                                    "interval over the same documents; differs: what sets a control apart from its "
                                    "recovery's usual recipe in this experiment; one seed each.")
+            written += write_table(recovery_matrix(grid), tables, f"{experiment}_matrix",
+                                   f"Experiment {experiment}: conversion x recovery, each against the original",
+                                   "Avg − original in points [paired bootstrap 95% interval over the same documents]"
+                                   "; n.r.: not resolved (the interval holds 0); each cell the recovery's usual "
+                                   "recipe (controls: the grid table); empty: not run; one seed each.")
             written += plots.save_figure(plots.recovery_grid(
                 grid, f"Experiment {experiment}: what each conversion keeps after each recovery, against the "
                 "original", RECOVERY_GOALS.get(experiment)), out_dir / "plots", f"{experiment}_grid")

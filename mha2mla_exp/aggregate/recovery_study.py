@@ -168,6 +168,22 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     return grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True]).reset_index(drop=True)
 
 
+def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
+    """The grid as a study's matrix: a row per (KV saving, conversion), a column per recovery (data x objective),
+    each cell its Avg − original [paired 95 %] at the recovery's usual recipe; controls (`differs`) stay in the
+    grid. An empty cell is a combination not run. Twins of a cell in other training precisions share it."""
+    usual = grid[grid["differs"] == ""]
+    if not len(usual):
+        return pd.DataFrame()
+    twins = usual.groupby(["kv saving %", "conversion", "recovery"])["run_dir"].transform("size")
+    text = [f"{r['delta']:+.1f} [{r['low']:+.1f}, {r['high']:+.1f}]" + ("" if r["resolved"] else " n.r.")
+            + (f" ({r['precision']})" if n > 1 else "") for r, n in zip(usual.to_dict("records"), twins)]
+    matrix = (usual.assign(cell=text)
+              .groupby(["kv saving %", "conversion", "recovery"])["cell"].agg(" / ".join)
+              .unstack("recovery").fillna(""))
+    return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
+
+
 def _differs(row: dict, usual: dict) -> str:
     def other(column) -> bool:  # two missing values (a record without the key) are the same
         return not (row[column] == usual[column] or (pd.isna(row[column]) and pd.isna(usual[column])))
