@@ -15,6 +15,8 @@ objective, each cell's Avg against the unconverted original on the same document
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 
@@ -125,10 +127,11 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     return table
 
 
-def _interval_text(diff) -> str:
+def _interval_text(diff, unresolved: str = " not resolved") -> str:
+    """A paired difference as "+1.4 [+0.1, +2.8]", `unresolved` appended when its interval holds 0."""
     if diff is None:
         return ""
-    return f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]" + ("" if diff.resolved else " not resolved")
+    return f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]" + ("" if diff.resolved else unresolved)
 
 
 def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
@@ -175,12 +178,13 @@ def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
     usual = grid[grid["differs"] == ""]
     if not len(usual):
         return pd.DataFrame()
-    twins = usual.groupby(["kv saving %", "conversion", "recovery"])["run_dir"].transform("size")
-    text = [f"{r['delta']:+.1f} [{r['low']:+.1f}, {r['high']:+.1f}]" + ("" if r["resolved"] else " n.r.")
-            + (f" ({r['precision']})" if n > 1 else "") for r, n in zip(usual.to_dict("records"), twins)]
-    matrix = (usual.assign(cell=text)
-              .groupby(["kv saving %", "conversion", "recovery"])["cell"].agg(" / ".join)
-              .unstack("recovery").fillna(""))
+
+    def cell(runs: pd.DataFrame) -> str:
+        diffs = [SimpleNamespace(estimate=r["delta"], low=r["low"], high=r["high"], resolved=r["resolved"],
+                                 precision=r["precision"]) for r in runs.to_dict("records")]
+        return " / ".join(_interval_text(d, " n.r.") + (f" ({d.precision})" if len(diffs) > 1 else "") for d in diffs)
+
+    matrix = usual.groupby(["kv saving %", "conversion", "recovery"]).apply(cell).unstack("recovery").fillna("")
     return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
 
 
