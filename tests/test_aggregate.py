@@ -509,6 +509,22 @@ def _scores_of(answers):
     return scores
 
 
+def _recovery_runs(root: Path, runs: dict, n: int) -> pd.DataFrame:
+    """Write teacher_recovery records, `runs`: name -> (method, tokens, d_kv, objective, on the teacher's text,
+    correct docs of n in every column (the first ones), eval dtype); the aggregate's runs frame of them."""
+    for name, (method, tokens, d_kv, objective, teacher, correct, dtype) in runs.items():
+        answers = {c: [0] * correct + [1] * (n - correct) for c in PARTS}
+        record = _record(method, tokens, d_kv=d_kv, n=n) | {"experiment": "teacher_recovery", "run_name": name}
+        record["eval"]["commonsense"].update(_scores_of(answers))
+        record["eval"]["meta"]["dtype"] = dtype
+        if objective:
+            record["train"]["objective"] = objective
+        if teacher:
+            record["train_data"] = {"name": "teacher-samples", "source": "teacher"}
+        _write(root, name, record, rows=_commonsense_rows(answers))
+    return build_aggregate([root]).runs
+
+
 def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_controls(tmp_path):
     """A row per fine-tuned run, its Avg − original paired on the same docs; a control (more tokens than its
     recovery's usual budget) says what differs; a run scored in another dtype is not paired; the plot draws a
@@ -526,17 +542,7 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
         "kd_teacher": ("mla", 8192, 16, "kd", True, 11, "float32"),
         "kd_teacher_bf16": ("mla", 8192, 16, "kd", True, 11, "bfloat16"),
     }
-    for name, (method, tokens, d_kv, objective, teacher, correct, dtype) in runs.items():
-        answers = {c: [0] * correct + [1] * (n - correct) for c in PARTS}
-        record = _record(method, tokens, d_kv=d_kv, n=n) | {"experiment": "teacher_recovery", "run_name": name}
-        record["eval"]["commonsense"].update(_scores_of(answers))
-        record["eval"]["meta"]["dtype"] = dtype
-        if objective:
-            record["train"]["objective"] = objective
-        if teacher:
-            record["train_data"] = {"name": "teacher-samples", "source": "teacher"}
-        _write(tmp_path, name, record, rows=_commonsense_rows(answers))
-    grid = recovery_grid(build_aggregate([tmp_path]).runs, "teacher_recovery")
+    grid = recovery_grid(_recovery_runs(tmp_path, runs, n), "teacher_recovery")
     grid = grid.assign(delta=grid["delta"].round(6)).set_index("delta")
     # every column answered alike: Avg − original = (correct − 16) / 20 in points
     assert sorted(grid.index) == pytest.approx([-35.0, -30.0, -25.0, -20.0, -15.0, -10.0])
@@ -573,6 +579,36 @@ def test_recovery_matrix_lays_the_usual_recipes_out_as_conversion_by_recovery():
     assert matrix.loc[(-81.25, "a"), "ce on teacher"] == "-4.7 [-6.2, -3.2] (fp32) / -5.1 [-6.6, -3.6] (bf16-autocast)"
     assert matrix.loc[(-68.75, "b"), "kd on teacher"] == "-1.0 [-2.5, +0.5] n.r."
     assert matrix.loc[(-68.75, "b"), "ce on sotu"] == "" and matrix.loc[(-81.25, "a"), "kd on teacher"] == ""
+
+
+def test_recovery_interactions_difference_an_ingredients_gain_between_two_rows_on_the_same_docs(tmp_path):
+    """kd − ce and teacher − SOTU at each of two conversions and their difference, paired: every run answers the
+    first k docs of 20 right, so each gain is (k1 − k0) / 20 and the interaction the difference of two such; a
+    control (more tokens) never stands in for its recovery's cell."""
+    from mha2mla_exp.aggregate.recovery_study import recovery_grid, recovery_interactions
+
+    n = 20
+    runs = {"original": ("original", 0, 16, None, False, 16, "float32"),
+            "s81_ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
+            "s81_ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
+            "s81_kd_teacher": ("mla", 4096, 16, "kd", True, 11, "float32"),
+            "s81_kd_teacher_long": ("mla", 16384, 16, "kd", True, 19, "float32"),   # a control
+            "s69_ce_sotu": ("mla", 8192, 32, "ce", False, 10, "float32"),
+            "s69_ce_teacher": ("mla", 8192, 32, "ce", True, 14, "float32"),
+            "s69_kd_teacher": ("mla", 4096, 32, "kd", True, 15, "float32")}
+    frame = _recovery_runs(tmp_path, runs, n)
+    table = recovery_interactions(frame, "teacher_recovery", recovery_grid(frame, "teacher_recovery"))
+    table = table.set_index("contrast")
+    assert sorted(table.index) == ["objective: kd on teacher-samples − ce on teacher-samples",
+                                   "text: ce on teacher-samples − ce on sotu"]
+    kd = table.loc["objective: kd on teacher-samples − ce on teacher-samples"]
+    assert (kd["kv saving % (a)"], kd["kv saving % (b)"]) == (-68.75, -81.25)    # the smaller saving first
+    assert kd["at a"].startswith("+5.0 [") and kd["at b"].startswith("-5.0 [")
+    assert kd["estimate"] == pytest.approx(10.0) and kd["low"] <= 10.0 <= kd["high"]   # (15 − 14) − (11 − 12)
+    text = table.loc["text: ce on teacher-samples − ce on sotu"]
+    assert text["at a"].startswith("+20.0") and text["at b"].startswith("+10.0")   # 14 − 10 and 12 − 10 docs
+    assert text["estimate"] == pytest.approx(10.0)
+    assert text["training precisions"] == kd["training precisions"]
 
 
 def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 from scipy import stats
 
 from mha2mla_exp.aggregate.paired import (Z95, binomial_se, commonsense_spec, doc_values, paired_bootstrap,
+                                          paired_contrast,
                                           point_scores, unpaired_difference)
 
 SPEC = commonsense_spec()
@@ -124,3 +125,40 @@ def test_binomial_standard_errors_by_hand():
     d = unpaired_difference(0.40, 0.02, 0.37, 0.015)
     assert (d.estimate, d.high - d.estimate) == (pytest.approx(0.03), pytest.approx(Z95 * 0.025))
     assert not d.resolved and d.kind == "unpaired binomial"
+
+
+def _worse_on_first(correct: dict[str, np.ndarray], k: int, task: str = "piqa") -> tuple[dict, dict]:
+    """(worse, better): the same answers but on `task`'s first k docs, where better is right and worse wrong."""
+    better = {t: v.astype(float).copy() for t, v in correct.items()}
+    better[task][:k] = 1
+    worse = {t: v.copy() for t, v in better.items()}
+    worse[task][:k] = 0
+    return worse, better
+
+
+def test_an_interaction_of_one_effect_on_the_same_documents_is_exactly_zero():
+    """(a - b) - (c - d) where both differences are the same k documents going wrong: zero on every resample,
+    although each difference alone is resolved."""
+    a, b = _worse_on_first(random_correct(7), 40)
+    c, d = _worse_on_first(random_correct(8), 40)
+    a, b, c, d = (doc_values([frame(x)], SPEC) for x in (a, b, c, d))
+    assert paired_bootstrap(a, b, SPEC)["piqa"].resolved and paired_bootstrap(c, d, SPEC)["piqa"].resolved
+    for name, interval in paired_contrast([a, d], [b, c], SPEC).items():
+        assert (interval.estimate, interval.low, interval.high) == (0.0, 0.0, 0.0), name
+
+
+def test_an_interaction_with_no_effect_on_one_side_is_the_other_sides_difference():
+    a, b = _worse_on_first(random_correct(9), 40)
+    c = random_correct(10)
+    a, b, c = (doc_values([frame(x)], SPEC) for x in (a, b, c))
+    alone, interaction = paired_bootstrap(a, b, SPEC), paired_contrast([a, c], [b, c], SPEC)
+    assert interaction["avg"].estimate == pytest.approx(-40 / 400 / 6)
+    for name in alone:
+        assert (interaction[name].low, interaction[name].high) == pytest.approx((alone[name].low, alone[name].high))
+
+
+def test_a_contrast_of_rows_on_different_documents_is_refused():
+    a = doc_values([frame(random_correct(11))], SPEC)
+    b = doc_values([frame(random_correct(11, n=399))], SPEC)
+    with pytest.raises(ValueError, match="different documents"):
+        paired_contrast([a, a], [a, b], SPEC)

@@ -3,10 +3,10 @@ import json
 import subprocess
 from pathlib import Path
 
-from mha2mla_exp.runner.record import FINAL_STATUSES
+from mha2mla_exp.runner.record import FINAL_STATUSES, STOPPED_STATUSES
 
 ROOT = Path(__file__).resolve().parents[1]
-ENDED = (*FINAL_STATUSES, "failed", "interrupted")   # what a run that stopped, one way or another, says
+ENDED = (*FINAL_STATUSES, *STOPPED_STATUSES)
 
 
 def committed_records() -> list[Path]:

@@ -9,7 +9,8 @@ strata (lm-eval's leaf tasks: one per MMLU subject, one per other task).
   within each stratum (a column's single-doc strata, e.g. MMLU at one doc per subject, pooled into one: a
   stratum of one doc never varies), the same resample for both models, and take the percentile 95% interval of the
   difference; the same resamples give every column's interval. Several seeds of one configuration
-  enter as their per-document mean (the seeds are evaluated on the same docs).
+  enter as their per-document mean (the seeds are evaluated on the same docs). `paired_contrast` does the same
+  for any sum and difference of rows on the same documents, e.g. an interaction (a - b) - (c - d).
 - `binomial`: a run without per-document results: each column's binomial standard error
   sqrt(p (1 - p) / n), propagated through the weights; a difference of two such scores is treated as
   independent (conservative when both were evaluated on the same docs, which are positively correlated).
@@ -164,9 +165,20 @@ def paired_bootstrap(row: pd.DataFrame, baseline: pd.DataFrame, spec: ScoreSpec,
                      seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
     """Row minus baseline for every reported column, with its paired percentile bootstrap interval.
     Both are `doc_values` frames over the same documents."""
-    if not same_documents(row, baseline):
-        raise ValueError("paired_bootstrap: the two were evaluated on different documents")
-    diff = row["value"] - baseline["value"].reindex(row.index)
+    return paired_contrast([row], [baseline], spec, n_boot=n_boot, seed=seed, level=level)
+
+
+def paired_contrast(plus: Sequence[pd.DataFrame], minus: Sequence[pd.DataFrame], spec: ScoreSpec, *,
+                    n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
+    """The sum of `plus` minus the sum of `minus` for every reported column, each document resampled once for all
+    of them (paired percentile bootstrap); all are `doc_values` frames over the same documents. An interaction,
+    (a - b) - (c - d), is `paired_contrast([a, d], [b, c])`: its interval is narrower than the two differences'
+    taken apart because the four share their documents' difficulty."""
+    frames = [*plus, *minus]
+    if not frames or any(not same_documents(frames[0], other) for other in frames[1:]):
+        raise ValueError("paired_bootstrap: the rows were evaluated on different documents")
+    index = frames[0].index
+    diff = sum(f["value"].reindex(index) for f in plus) - sum(f["value"].reindex(index) for f in minus)
     estimate = _combine(_column_means(pd.DataFrame({"value": diff})), spec)
     resampled = _combine(_bootstrap_column_means(diff, n_boot, seed), spec)
     tail = 100 * (1 - level) / 2

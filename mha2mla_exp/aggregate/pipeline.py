@@ -15,7 +15,8 @@ from .records import COMMONSENSE, COMMONSENSE_PARTS, canonical_runs, load_runs, 
 from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views, write_table, write_views
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
-from .recovery_study import RECOVERY_EXPERIMENTS, recovery_grid, recovery_matrix, recovery_table
+from .recovery_study import (RECOVERY_EXPERIMENTS, recovery_grid, recovery_interactions, recovery_matrix,
+                             recovery_table)
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, budget_comparison, reference_conversions, zero_shot_table
 
 
@@ -185,7 +186,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
         grid = recovery_grid(aggregate.runs, experiment)
         if len(grid):
-            shown = grid.drop(columns=["run_dir"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
+            shown = grid.drop(columns=["run_dir", "own corpus"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
             shown["lr"] = shown["lr"].map(lambda lr: "" if pd.isna(lr) else f"{lr:g}")   # 3e-4, not 0.00
             written += write_table(shown, tables, f"{experiment}_grid",
                                    f"Experiment {experiment}: the ingredient grid, each row against the original",
@@ -197,6 +198,16 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "Avg − original in points [paired bootstrap 95% interval over the same documents]"
                                    "; n.r.: not resolved (the interval holds 0); each cell the recovery's usual "
                                    "recipe (controls: the grid table); empty: not run; one seed each.")
+            interactions = recovery_interactions(aggregate.runs, experiment, grid)
+            if len(interactions):
+                written += write_table(
+                    interactions.drop(columns=["estimate", "low", "high", "resolved"]), tables,
+                    f"{experiment}_interactions",
+                    f"Experiment {experiment}: does what an ingredient buys depend on the conversion or the budget?",
+                    "at a, at b: the contrast's Avg difference in points at each of two rows of the matrix; a − b: "
+                    "their difference (an interaction) on the same documents, paired bootstrap 95% interval; n.r.: "
+                    "not resolved; every pair of rows that ran both recoveries, so about one interval in twenty "
+                    "excludes 0 by chance; one seed each.")
             written += plots.save_figure(plots.recovery_grid(
                 grid, f"Experiment {experiment}: what each conversion keeps after each recovery, against the "
                 "original", RECOVERY_GOALS.get(experiment)), out_dir / "plots", f"{experiment}_grid")

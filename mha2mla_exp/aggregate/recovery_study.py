@@ -10,11 +10,14 @@ first row. The recipe with the lowest perplexity at the common budget is marked 
 difference says whether the commonsense suite resolves the choice.
 
 `recovery_grid` reads the same runs as an ingredient grid (issue 23): KV saving x conversion x recovery data and
-objective, each cell's Avg against the unconverted original on the same documents.
+objective, each cell's Avg against the unconverted original on the same documents; `recovery_matrix` lays it out
+as conversion x recovery, and `recovery_interactions` asks whether what one ingredient buys depends on the
+conversion or the KV budget it is bought at.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +25,7 @@ import pandas as pd
 
 from .comparisons import _ALL, same_docs
 from .records import recovery_recipe
-from .tables import Row, delta, rows_of_ours
+from .tables import Row, contrast, delta, rows_of_ours
 
 RECOVERY_EXPERIMENTS = ("recovery_study", "teacher_recovery")
 REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
@@ -65,6 +68,11 @@ def ppl_at(curve: pd.DataFrame, seconds: float) -> float | None:
 
 def _ok_runs(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     return runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
+
+
+def _scored_rows(runs: pd.DataFrame, experiment: str) -> list[Row]:
+    ok = _ok_runs(runs, experiment)
+    return rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
 
 
 def _original(rows: list[Row]) -> Row | None:
@@ -140,8 +148,7 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
     from its recovery's usual recipe in this experiment (the most common tokens, lr and trainable parameters of
     its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is not read as a grid cell."""
-    ok = _ok_runs(runs, experiment)
-    rows = rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
+    rows = _scored_rows(runs, experiment)
     original = _original(rows)
     tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
     if original is None or not tuned:
@@ -157,7 +164,8 @@ def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
             "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
             "conversion": conversion_label(run) if run["method"] == "partial_rope+svd" else "full attention (unconverted)",
             "recovery": f"{run['objective']} on {str(recovered_on).split(' (')[0]}",
-            "recovery set": recovered_on, "objective": run["objective"], "tokens": int(run["train_tokens"]),
+            "recovery set": recovered_on, "own corpus": not isinstance(run.get("train_data"), str),
+            "objective": run["objective"], "tokens": int(run["train_tokens"]),
             "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
             "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
             "resolved": diff.resolved, "run_dir": run["run_dir"]})
@@ -186,6 +194,59 @@ def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
 
     matrix = usual.groupby(["kv saving %", "conversion", "recovery"]).apply(cell).unstack("recovery").fillna("")
     return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
+
+
+def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFrame) -> pd.DataFrame:
+    """Does what an ingredient buys depend on where it is bought? For each contrast between two recoveries that
+    differ in one ingredient (an objective against ce on the same text; a text against the run's own corpus under
+    the same objective) and each two compressing rows of the matrix that ran both: the contrast at each row and
+    their difference, (a - b) - (c - d) on the same documents with its paired bootstrap 95 % interval.
+    Only the recoveries' usual recipes; where a cell has twins in two training precisions, the one in its row's
+    most common precision. Every pair of rows is listed, so at 95 % about one in twenty intervals excludes 0 by
+    chance alone."""
+    usual = grid[(grid["differs"] == "") & (grid["kv saving %"] < 0)] if len(grid) else grid
+    if not len(usual):
+        return pd.DataFrame()
+    scored = {row.runs[0]["run_dir"]: row for row in _scored_rows(runs, experiment)}
+    cells = {}   # (kv saving %, conversion) -> recovery -> grid record
+    for (saving, conversion), group in usual.groupby(["kv saving %", "conversion"], sort=False):
+        common = group["precision"].mode(dropna=False).iloc[0]
+        preferred = group.assign(_other=group["precision"] != common).sort_values("_other")
+        cells[(saving, conversion)] = {r["recovery"]: r for r in preferred.drop_duplicates("recovery").to_dict("records")}
+    records = []
+    for name, recovery, baseline in _contrasts(usual):
+        having = sorted((key for key, row in cells.items() if recovery in row and baseline in row),
+                        key=lambda key: (-key[0], key[1]))
+        for a, b in combinations(having, 2):
+            a1, a0, b1, b0 = (scored[cells[key][r]["run_dir"]] for key in (a, b) for r in (recovery, baseline))
+            if any(row.values is None for row in (a1, a0, b1, b0)):
+                continue
+            at_a, at_b = contrast([a1], [a0])["avg"], contrast([b1], [b0])["avg"]
+            interaction = contrast([a1, b0], [a0, b1])["avg"]
+            precisions = {cells[key][r]["precision"] for key in (a, b) for r in (recovery, baseline)}
+            records.append({
+                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1], "at a": _interval_text(at_a, " n.r."),
+                "kv saving % (b)": b[0], "conversion (b)": b[1], "at b": _interval_text(at_b, " n.r."),
+                "a − b [95% CI]": _interval_text(interaction, " n.r."), "estimate": interaction.estimate,
+                "low": interaction.low, "high": interaction.high, "resolved": interaction.resolved,
+                "training precisions": " / ".join(sorted(map(str, precisions)))})
+    return pd.DataFrame.from_records(records)
+
+
+def _contrasts(usual: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(name, recovery, baseline) pairs that differ in one ingredient: each objective against ce on the same text,
+    each text against the run's own corpus under the same objective."""
+    recoveries = usual.drop_duplicates("recovery").set_index("recovery")
+    text = {r: r.split(" on ", 1)[1] for r in recoveries.index}
+    out = []
+    for recovery, row in recoveries.iterrows():
+        for baseline, other in recoveries.iterrows():
+            same_text, same_objective = text[recovery] == text[baseline], row["objective"] == other["objective"]
+            if same_text and other["objective"] == REFERENCE and row["objective"] != REFERENCE:
+                out.append((f"objective: {recovery} − {baseline}", recovery, baseline))
+            elif same_objective and other["own corpus"] and not row["own corpus"]:
+                out.append((f"text: {recovery} − {baseline}", recovery, baseline))
+    return sorted(out)
 
 
 def _differs(row: dict, usual: dict) -> str:

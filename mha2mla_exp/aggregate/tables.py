@@ -268,7 +268,7 @@ def delta(row: Row, base: Row) -> dict[str, paired.Interval]:
     if row.values is not None and base.values is not None:
         if not paired.same_documents(row.values, base.values):
             return {}
-        return {k: _points(v) for k, v in paired.paired_bootstrap(row.values, base.values, score_spec).items()}
+        return contrast([row], [base])
     ses = (row.se or _se_from_intervals(row), base.se or _se_from_intervals(base))
     out = {}
     for name in score_spec.reported:
@@ -280,6 +280,14 @@ def delta(row: Row, base: Row) -> dict[str, paired.Interval]:
         else:  # a record without doc counts (e.g. from W&B): the difference, but no interval
             out[name] = paired.Interval(row.scores[name] - base.scores[name], np.nan, np.nan, "none")
     return out
+
+
+def contrast(plus: list[Row], minus: list[Row]) -> dict[str, paired.Interval]:
+    """The sum of `plus` minus the sum of `minus`, every reported column, in points, paired on their common
+    documents (all rows must have per-document results on the same docs). An interaction, (a1 - a0) - (b1 - b0):
+    `contrast([a1, b0], [a0, b1])`."""
+    return {k: _points(v) for k, v in paired.paired_contrast([r.values for r in plus], [r.values for r in minus],
+                                                               plus[0].spec).items()}
 
 
 def _se_from_intervals(row: Row) -> dict[str, float]:

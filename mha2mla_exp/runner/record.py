@@ -11,6 +11,8 @@ from pathlib import Path
 from ..machine import cpu_model, machine_info  # noqa: F401  (re-exported: the record's machine block)
 
 FINAL_STATUSES = ("ok", "diverged")  # a relaunch skips these; failed or interrupted runs resume
+# a run that ended without a result; only a process that died unannounced (SIGKILL, power) leaves "running"
+STOPPED_STATUSES = ("failed", "interrupted", "deferred")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
