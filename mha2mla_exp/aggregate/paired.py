@@ -172,11 +172,11 @@ def paired_contrast(plus: Sequence[pd.DataFrame], minus: Sequence[pd.DataFrame],
                     n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
     """The sum of `plus` minus the sum of `minus` for every reported column, each document resampled once for all
     of them (paired percentile bootstrap); all are `doc_values` frames over the same documents. An interaction,
-    (a - b) - (c - d), is `paired_contrast([a, d], [b, c])`: its interval is narrower than the two differences'
-    taken apart because the four share their documents' difficulty."""
+    (a - b) - (c - d), is `paired_contrast([a, d], [b, c])`: where the two differences move together on the same
+    documents, its interval is narrower than theirs combined as if independent."""
     frames = [*plus, *minus]
     if not frames or any(not same_documents(frames[0], other) for other in frames[1:]):
-        raise ValueError("paired_bootstrap: the rows were evaluated on different documents")
+        raise ValueError("paired_contrast: the rows were evaluated on different documents")
     index = frames[0].index
     diff = sum(f["value"].reindex(index) for f in plus) - sum(f["value"].reindex(index) for f in minus)
     estimate = _combine(_column_means(pd.DataFrame({"value": diff})), spec)
