@@ -16,7 +16,7 @@ from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view
 from .tables import TABLES, build_tables
 from .perplexity_pairs import perplexity_pairs
 from .recovery_study import (RECOVERY_EXPERIMENTS, recovery_grid, recovery_interactions, recovery_matrix,
-                             recovery_table)
+                             recovery_table, scored_rows)
 from .zero_shot import ZERO_SHOT_EXPERIMENTS, budget_comparison, reference_conversions, zero_shot_table
 
 
@@ -184,7 +184,8 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "rows of train.eval_batches) read at the shortest run's seconds; final ppl: "
                                    "eval.perplexity's held-out rows; Avg: commonsense, points, paired bootstrap "
                                    "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
-        grid = recovery_grid(aggregate.runs, experiment)
+        rows = scored_rows(aggregate.runs, experiment)   # per-document results, read once for the grid and its interactions
+        grid = recovery_grid(aggregate.runs, experiment, rows)
         if len(grid):
             shown = grid.drop(columns=["run_dir", "own corpus"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
             shown["lr"] = shown["lr"].map(lambda lr: "" if pd.isna(lr) else f"{lr:g}")   # 3e-4, not 0.00
@@ -198,7 +199,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "Avg − original in points [paired bootstrap 95% interval over the same documents]"
                                    "; n.r.: not resolved (the interval holds 0); each cell the recovery's usual "
                                    "recipe (controls: the grid table); empty: not run; one seed each.")
-            interactions = recovery_interactions(aggregate.runs, experiment, grid)
+            interactions = recovery_interactions(aggregate.runs, experiment, grid, rows)
             if len(interactions):
                 written += write_table(
                     interactions.drop(columns=["estimate", "low", "high", "resolved"]), tables,

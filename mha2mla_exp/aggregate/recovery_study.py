@@ -70,7 +70,8 @@ def _ok_runs(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     return runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")] if len(runs) else runs
 
 
-def _scored_rows(runs: pd.DataFrame, experiment: str) -> list[Row]:
+def scored_rows(runs: pd.DataFrame, experiment: str) -> list[Row]:
+    """An experiment's ok runs as commonsense rows (per-document results read from disk: compute once, pass on)."""
     ok = _ok_runs(runs, experiment)
     return rows_of_ours(_ALL["commonsense"], ok) if len(ok) else []
 
@@ -142,13 +143,13 @@ def _interval_text(diff, unresolved: str = " not resolved") -> str:
     return f"{diff.estimate:+.1f} [{diff.low:+.1f}, {diff.high:+.1f}]" + ("" if diff.resolved else unresolved)
 
 
-def recovery_grid(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
+def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = None) -> pd.DataFrame:
     """The ingredient grid of a recovery experiment: every fine-tuned row against the unconverted original on the
     same documents, as (KV saving, conversion, recovery) -> Avg − original with its paired 95 % interval.
     `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
     from its recovery's usual recipe in this experiment (the most common tokens, lr and trainable parameters of
     its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is not read as a grid cell."""
-    rows = _scored_rows(runs, experiment)
+    rows = scored_rows(runs, experiment) if rows is None else rows
     original = _original(rows)
     tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
     if original is None or not tuned:
@@ -196,18 +197,19 @@ def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
     return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
 
 
-def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFrame) -> pd.DataFrame:
+def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFrame,
+                          rows: list[Row] | None = None) -> pd.DataFrame:
     """Does what an ingredient buys depend on where it is bought? For each contrast between two recoveries that
     differ in one ingredient (an objective against ce on the same text; a text against the run's own corpus under
     the same objective) and each two compressing rows of the matrix that ran both: the contrast at each row and
     their difference, (a - b) - (c - d) on the same documents with its paired bootstrap 95 % interval.
     Only the recoveries' usual recipes; where a cell has twins in two training precisions, the one in its row's
     most common precision. Every pair of rows is listed, so at 95 % about one in twenty intervals excludes 0 by
-    chance alone."""
+    chance alone. `rows`: `scored_rows(runs, experiment)` where the caller has them already."""
     usual = grid[(grid["differs"] == "") & (grid["kv saving %"] < 0)] if len(grid) else grid
     if not len(usual):
         return pd.DataFrame()
-    scored = {row.runs[0]["run_dir"]: row for row in _scored_rows(runs, experiment)}
+    scored = {row.runs[0]["run_dir"]: row for row in (scored_rows(runs, experiment) if rows is None else rows)}
     cells = {}   # (kv saving %, conversion) -> recovery -> grid record
     for (saving, conversion), group in usual.groupby(["kv saving %", "conversion"], sort=False):
         common = group["precision"].mode(dropna=False).iloc[0]
@@ -215,18 +217,18 @@ def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFram
         cells[(saving, conversion)] = {r["recovery"]: r for r in preferred.drop_duplicates("recovery").to_dict("records")}
     records = []
     for name, recovery, baseline in _contrasts(usual):
-        having = sorted((key for key, row in cells.items() if recovery in row and baseline in row),
+        having = sorted((key for key, row in cells.items() if recovery in row and baseline in row
+                         and all(scored[row[r]["run_dir"]].values is not None for r in (recovery, baseline))),
                         key=lambda key: (-key[0], key[1]))
+        pair = {key: (scored[cells[key][recovery]["run_dir"]], scored[cells[key][baseline]["run_dir"]]) for key in having}
+        at = {key: contrast([one], [zero])["avg"] for key, (one, zero) in pair.items()}   # once per row, not per pair
         for a, b in combinations(having, 2):
-            a1, a0, b1, b0 = (scored[cells[key][r]["run_dir"]] for key in (a, b) for r in (recovery, baseline))
-            if any(row.values is None for row in (a1, a0, b1, b0)):
-                continue
-            at_a, at_b = contrast([a1], [a0])["avg"], contrast([b1], [b0])["avg"]
+            (a1, a0), (b1, b0) = pair[a], pair[b]
             interaction = contrast([a1, b0], [a0, b1])["avg"]
             precisions = {cells[key][r]["precision"] for key in (a, b) for r in (recovery, baseline)}
             records.append({
-                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1], "at a": _interval_text(at_a, " n.r."),
-                "kv saving % (b)": b[0], "conversion (b)": b[1], "at b": _interval_text(at_b, " n.r."),
+                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1], "at a": _interval_text(at[a], " n.r."),
+                "kv saving % (b)": b[0], "conversion (b)": b[1], "at b": _interval_text(at[b], " n.r."),
                 "a − b [95% CI]": _interval_text(interaction, " n.r."), "estimate": interaction.estimate,
                 "low": interaction.low, "high": interaction.high, "resolved": interaction.resolved,
                 "training precisions": " / ".join(sorted(map(str, precisions)))})
