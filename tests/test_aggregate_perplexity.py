@@ -276,3 +276,23 @@ def test_ours_against_transmla_is_paired_over_the_same_rows_and_says_when_resolv
 
     ax = budget_vs_reference(table.reset_index()).axes[0]
     assert len(ax.lines) == 3 and ax.lines[0].get_linestyle() == "--"  # TransMLA first, dashed; the unpaired left out
+
+
+def test_recovery_table_gives_a_settings_seeds_one_row_with_their_mean(tmp_path):
+    runs = tmp_path / "runs"
+    train = {"tokens": 8192, "seconds": 100.0, "objective": "ce", "precision": {"mode": "bf16-autocast"}}
+    for seed, seconds, ppl in ((0, 100.0, 150.0), (1, 120.0, 160.0)):
+        _recovery_run(runs, f"ce_s{seed}", ppl=ppl, avg=0.30, train=train | {"seconds": seconds}, distill=None,
+                      experiment="recovery_study", probes=_probes([(0, 200.0), (seconds, ppl)]),
+                      config={"seed": seed, "train": {"lr": 3e-4, "freeze_non_attention": False}})
+    _recovery_run(runs, "kd", ppl=140.0, avg=0.32, train=train | {"objective": "kd"}, distill=None,
+                  experiment="recovery_study", probes=_probes([(0, 200.0), (100, 140.0)]),
+                  config={"seed": 0, "train": {"lr": 3e-4, "freeze_non_attention": False}})
+    aggregate = build_aggregate([runs])
+    table = recovery_table(aggregate.runs, aggregate.probes, "recovery_study").set_index("recipe")
+    assert sorted(table.index) == ["ce, lr 3e-4", "kd, lr 3e-4"]      # the two seeds of ce are one row
+    ce = table.loc["ce, lr 3e-4"]
+    assert ce["seeds"] == 2 and table.loc["kd, lr 3e-4", "seeds"] == 1
+    assert ce["fine-tune s"] == pytest.approx(110.0) and ce["final ppl"] == pytest.approx(155.0)
+    assert ce["Avg"] == pytest.approx(30.0)
+    assert ce["ppl @ 100 s"] == pytest.approx(np.mean([150.0, math.exp(np.interp(100, [0, 120], np.log([200, 160])))]))

@@ -101,6 +101,14 @@ def perplexity_view(runs):
     return ok.loc[:, columns].sort_values(["experiment", "label"]).reset_index(drop=True)
 
 
+def _seeds_note(table: pd.DataFrame) -> str:
+    """How many seeds the rows of a recovery table stand on."""
+    if table["seeds"].max() <= 1:
+        return "one seed each."
+    return ("one seed a row, except where it names several: their per-document mean (seconds and perplexities: "
+            "their mean).")
+
+
 def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
     """tables/<table>.{csv,md,tex}, plots/<plot>.{png,pdf} and runs.csv under `out_dir`."""
     out_dir = Path(out_dir)
@@ -183,7 +191,8 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "fine-tune, held-out probes excluded; ppl @ N s: the probe curve (held-out "
                                    "rows of train.eval_batches) read at the shortest run's seconds; final ppl: "
                                    "eval.perplexity's held-out rows; Avg: commonsense, points, paired bootstrap "
-                                   "vs the paper's recipe (ce, all parameters) on the same docs; one seed each.")
+                                   "vs the paper's recipe (ce, all parameters) on the same docs; "
+                                   + _seeds_note(table))
         rows = scored_rows(aggregate.runs, experiment)   # per-document results, read once for the grid and its interactions
         grid = recovery_grid(aggregate.runs, experiment, rows)
         if len(grid):
@@ -193,12 +202,12 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    f"Experiment {experiment}: the ingredient grid, each row against the original",
                                    "delta [low, high]: Avg − original in points with a paired bootstrap 95% "
                                    "interval over the same documents; differs: what sets a control apart from its "
-                                   "recovery's usual recipe in this experiment; one seed each.")
+                                   "recovery's usual recipe in this experiment; " + _seeds_note(grid))
             written += write_table(recovery_matrix(grid), tables, f"{experiment}_matrix",
                                    f"Experiment {experiment}: conversion x recovery, each against the original",
                                    "Avg − original in points [paired bootstrap 95% interval over the same documents]"
                                    "; n.r.: not resolved (the interval holds 0); each cell the recovery's usual "
-                                   "recipe (controls: the grid table); empty: not run; one seed each.")
+                                   "recipe (controls: the grid table); empty: not run; " + _seeds_note(grid))
             interactions = recovery_interactions(aggregate.runs, experiment, grid, rows)
             if len(interactions):
                 written += write_table(
@@ -208,7 +217,7 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                     "at a, at b: the contrast's Avg difference in points at each of two rows of the matrix; a − b: "
                     "their difference (an interaction) on the same documents, paired bootstrap 95% interval; n.r.: "
                     "not resolved; every pair of rows that ran both recoveries, so about one interval in twenty "
-                    "excludes 0 by chance; one seed each.")
+                    "excludes 0 by chance; " + _seeds_note(grid))
             written += plots.save_figure(plots.recovery_grid(
                 grid, f"Experiment {experiment}: what each conversion keeps after each recovery, against the "
                 "original", RECOVERY_GOALS.get(experiment)), out_dir / "plots", f"{experiment}_grid")

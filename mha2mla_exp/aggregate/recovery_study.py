@@ -96,6 +96,12 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     ends = [c["seconds"].max() for c in curves.values() if len(c)]
     common = float(min(ends)) if ends else None
     scored = {r.runs[0]["run_dir"]: r for r in rows_of_ours(_ALL["commonsense"], ok)}
+    # a setting's seeds are one row: per-run numbers are their mean, the Avg is on their per-document mean
+    seeds_of = {run["run_dir"]: [run] for run in ok.to_dict("records")}
+    for row in scored.values():
+        seeds_of[row.runs[0]["run_dir"]] = [run for run in ok.to_dict("records")
+                                           if run["run_dir"] in {r["run_dir"] for r in row.runs}]
+        seeds_of.update({r["run_dir"]: [] for r in row.runs[1:]})
     conversions = {run["run_dir"]: conversion_label(run) for run in ok.to_dict("records")}
     several = len({c for c in conversions.values() if c}) > 1
     references = {conversions[d]: r for d, r in scored.items() if _is_reference(r.runs[0])}
@@ -104,7 +110,16 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
     for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
+        seeds = seeds_of[run["run_dir"]]
+        if not seeds:   # a later seed of a row already written
+            continue
         row = scored.get(run["run_dir"])
+
+        def mean(column):
+            values = [r.get(column) for r in seeds if not pd.isna(r.get(column))]
+            return float(np.mean(values)) if values else None
+
+        at_seconds = [ppl_at(curves[r["run_dir"]], common) for r in seeds] if common else []
         # the original is paired against the one reference recipe, when there is one conversion
         reference = references.get(conversions[run["run_dir"]]) if conversions[run["run_dir"]] or several \
             else next(iter(references.values()), None)
@@ -112,13 +127,13 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
         diff = delta(row, reference).get("avg") if row and reference and row is not reference else None
         record = {"conversion": conversions[run["run_dir"]]} if several else {}
         record |= {
-            "recipe": run["recipe"], "precision": run["precision"], "tokens": run["train_tokens"],
-            "ILD s": run["distill_s"], "fine-tune s": run["train_s"], "tok/s": run["train_tokens_per_s"],
-            at_common: ppl_at(curves[run["run_dir"]], common) if common else None,
-            "final ppl": run["heldout_ppl"],
+            "recipe": run["recipe"], "precision": run["precision"], "tokens": run["train_tokens"], "seeds": len(seeds),
+            "ILD s": mean("distill_s"), "fine-tune s": mean("train_s"), "tok/s": mean("train_tokens_per_s"),
+            at_common: float(np.mean(at_seconds)) if at_seconds and None not in at_seconds else None,
+            "final ppl": mean("heldout_ppl"),
         }
         if trains_elsewhere:  # the held-out text of the corpus the recipes trained on (the teacher's)
-            record["ppl on its recovery text"] = run.get("train_data_heldout_ppl")
+            record["ppl on its recovery text"] = mean("train_data_heldout_ppl")
         record |= {
             "Avg": row.scores.get("avg") if row else None,
             "Avg 95% CI": f"[{interval.low:.1f}, {interval.high:.1f}]" if interval else "",
