@@ -97,11 +97,11 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     common = float(min(ends)) if ends else None
     scored = {r.runs[0]["run_dir"]: r for r in rows_of_ours(_ALL["commonsense"], ok)}
     # a setting's seeds are one row: per-run numbers are their mean, the Avg is on their per-document mean
-    seeds_of = {run["run_dir"]: [run] for run in ok.to_dict("records")}
+    by_dir = {run["run_dir"]: run for run in ok.to_dict("records")}
+    seeds_of = {run_dir: [run] for run_dir, run in by_dir.items()}
     for row in scored.values():
-        seeds_of[row.runs[0]["run_dir"]] = [run for run in ok.to_dict("records")
-                                           if run["run_dir"] in {r["run_dir"] for r in row.runs}]
-        seeds_of.update({r["run_dir"]: [] for r in row.runs[1:]})
+        seeds_of |= {r["run_dir"]: [] for r in row.runs[1:]}   # written with the first seed
+        seeds_of[row.runs[0]["run_dir"]] = [by_dir[r["run_dir"]] for r in row.runs]
     conversions = {run["run_dir"]: conversion_label(run) for run in ok.to_dict("records")}
     several = len({c for c in conversions.values() if c}) > 1
     references = {conversions[d]: r for d, r in scored.items() if _is_reference(r.runs[0])}
@@ -111,14 +111,9 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
     records = []
     for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
         seeds = seeds_of[run["run_dir"]]
-        if not seeds:   # a later seed of a row already written
+        if not seeds:
             continue
         row = scored.get(run["run_dir"])
-
-        def mean(column):
-            values = [r.get(column) for r in seeds if not pd.isna(r.get(column))]
-            return float(np.mean(values)) if values else None
-
         at_seconds = [ppl_at(curves[r["run_dir"]], common) for r in seeds] if common else []
         # the original is paired against the one reference recipe, when there is one conversion
         reference = references.get(conversions[run["run_dir"]]) if conversions[run["run_dir"]] or several \
@@ -128,12 +123,13 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
         record = {"conversion": conversions[run["run_dir"]]} if several else {}
         record |= {
             "recipe": run["recipe"], "precision": run["precision"], "tokens": run["train_tokens"], "seeds": len(seeds),
-            "ILD s": mean("distill_s"), "fine-tune s": mean("train_s"), "tok/s": mean("train_tokens_per_s"),
+            "ILD s": _mean(seeds, "distill_s"), "fine-tune s": _mean(seeds, "train_s"),
+            "tok/s": _mean(seeds, "train_tokens_per_s"),
             at_common: float(np.mean(at_seconds)) if at_seconds and None not in at_seconds else None,
-            "final ppl": mean("heldout_ppl"),
+            "final ppl": _mean(seeds, "heldout_ppl"),
         }
         if trains_elsewhere:  # the held-out text of the corpus the recipes trained on (the teacher's)
-            record["ppl on its recovery text"] = mean("train_data_heldout_ppl")
+            record["ppl on its recovery text"] = _mean(seeds, "train_data_heldout_ppl")
         record |= {
             "Avg": row.scores.get("avg") if row else None,
             "Avg 95% CI": f"[{interval.low:.1f}, {interval.high:.1f}]" if interval else "",
@@ -149,6 +145,12 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
         best = converted[at_common].astype(float).idxmin()
         table["choice"] = ["best per second" if i == best else "" for i in table.index]
     return table
+
+
+def _mean(runs: list[dict], column: str) -> float | None:
+    """A per-run number over a setting's seeds (those that have it)."""
+    values = [run.get(column) for run in runs if not pd.isna(run.get(column))]
+    return float(np.mean(values)) if values else None
 
 
 def _interval_text(diff, unresolved: str = " not resolved") -> str:
@@ -183,8 +185,8 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
             "recovery set": recovered_on, "own corpus": not isinstance(run.get("train_data"), str),
             "objective": run["objective"], "tokens": int(run["train_tokens"]),
             "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
-            "seeds": len(row.runs), "avg": row.scores.get("avg"), "delta": diff.estimate, "low": diff.low, "high": diff.high,
-            "resolved": diff.resolved, "run_dir": run["run_dir"]})
+            "seeds": len(row.runs), "avg": row.scores.get("avg"),
+            "delta": diff.estimate, "low": diff.low, "high": diff.high, "resolved": diff.resolved, "run_dir": run["run_dir"]})
     grid = pd.DataFrame.from_records(records)
     # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
     usual = pd.DataFrame({column: grid.groupby(by)[column].transform(lambda s: s.mode(dropna=False).iloc[0])
