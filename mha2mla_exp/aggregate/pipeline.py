@@ -183,7 +183,8 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                                                         f"{', '.join(experiments)}"),
                                          out_dir / "plots", name)
     for experiment in RECOVERY_EXPERIMENTS:
-        table = recovery_table(aggregate.runs, aggregate.probes, experiment)
+        rows = scored_rows(aggregate.runs, experiment)   # per-document results, read once for every table below
+        table = recovery_table(aggregate.runs, aggregate.probes, experiment, rows)
         if len(table):
             written += write_table(table, tables, experiment,
                                    f"Experiment {experiment}: recovery recipes at equal compute",
@@ -193,7 +194,6 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path) -> list[Path]:
                                    "eval.perplexity's held-out rows; Avg: commonsense, points, paired bootstrap "
                                    "vs the paper's recipe (ce, all parameters) on the same docs; "
                                    + _seeds_note(table))
-        rows = scored_rows(aggregate.runs, experiment)   # per-document results, read once for the grid and its interactions
         grid = recovery_grid(aggregate.runs, experiment, rows)
         if len(grid):
             shown = grid.drop(columns=["run_dir", "own corpus"]).round({c: 2 for c in ("avg", "delta", "low", "high")})

@@ -81,7 +81,9 @@ def _original(rows: list[Row]) -> Row | None:
     return next((r for r in rows if r.runs[0]["method"] == "original"), None)
 
 
-def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) -> pd.DataFrame:
+def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str,
+                   rows: list[Row] | None = None) -> pd.DataFrame:
+    """`rows`: `scored_rows(runs, experiment)` where the caller has them already (the per-document read is slow)."""
     ok = _ok_runs(runs, experiment)
     ok = ok[ok["method"].isin(["original", "partial_rope+svd"])] if len(ok) else ok
     if not (ok["method"] == "partial_rope+svd").any():
@@ -95,7 +97,8 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str) ->
                                             "ppl": probe["heldout_ppl_probe"].astype(float)})
     ends = [c["seconds"].max() for c in curves.values() if len(c)]
     common = float(min(ends)) if ends else None
-    scored = {r.runs[0]["run_dir"]: r for r in rows_of_ours(_ALL["commonsense"], ok)}
+    rows = scored_rows(runs, experiment) if rows is None else rows
+    scored = {r.runs[0]["run_dir"]: r for r in rows if r.runs[0]["run_dir"] in set(ok["run_dir"])}
     # a setting's seeds are one row: per-run numbers are their mean, the Avg is on their per-document mean
     by_dir = {run["run_dir"]: run for run in ok.to_dict("records")}
     seeds_of = {run_dir: [run] for run_dir, run in by_dir.items()}
