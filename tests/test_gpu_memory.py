@@ -73,8 +73,8 @@ def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monke
 
 def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeypatch, tmp_path, capsys):
     """The documented dry run (the default mixture, python-edu included) plans the 7B where boto3 or AWS
-    credentials are missing: the plan and its memory are printed and the cell is `blocked` with the reason,
-    while a real run is still refused at validation."""
+    credentials are missing: the plan and its memory are printed with the reason (the cell is `refused`: a
+    one-process launch of an 8-GPU plan, tests/test_paper_plan.py), while a real run is refused at validation."""
     import sys
 
     from mha2mla_exp.runner.run import run
@@ -96,7 +96,7 @@ def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeyp
 
     outcome = run(compose_7b("dry_run=true"))
     printed = capsys.readouterr().out
-    assert outcome["status"] == "blocked"
+    assert outcome["status"] == "refused"  # as one process (tests/test_paper_plan.py); what it lacks is said too
     assert "data.mixture[2].blob_field: boto3 finds no AWS credentials" in outcome["error"]
     assert "blocked on this machine: data.mixture[2].blob_field: boto3 finds no AWS credentials" in printed
     assert "fsdp on 8 process(es), activation checkpointing on" in printed

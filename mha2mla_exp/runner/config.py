@@ -15,8 +15,11 @@ from ..evaluation.kv import KVQuant
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..train.objectives import build_objective
+from ..train.budget import plan_budget
+from ..train.memory import (STRATEGIES, HostEstimate, LaunchCheck, MemoryEstimate, estimate_host_memory,
+                            estimate_memory, processes_needed)
 from ..train.optimizer import optimizer_impl
-from ..train.memory import STRATEGIES, MemoryEstimate, estimate_memory
+from ..train.schedule import Schedule, schedule_for
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
@@ -51,7 +54,11 @@ class RunPlan:
     setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
     memory: MemoryEstimate | None = None  # per-GPU memory of the fine-tune, where train.gpu_memory_gb asks
+    host_memory: HostEstimate | None = None  # host memory per process of the same plan
+    launch: LaunchCheck | None = None  # the processes the plan needs against this launch's
+    schedule: Schedule | None = None  # the fine-tune's lr schedule on this launch's budget
     blocked: tuple[str, ...] = ()  # dry runs only: what this machine lacks to run the plan (a real run raises)
+    refused: tuple[str, ...] = ()  # dry runs only: why this launch would be refused (a real run raises)
 
     @property
     def table_variant(self) -> str:
@@ -138,9 +145,10 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
     if cfg.variant == "finetuned_full_attention" and not cfg.train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
     device_type = _device_type(cfg.device)
-    precision = memory = None
+    precision = memory = host_memory = launch = schedule = None
+    refused = [] if cfg.get("dry_run") else None
     if fine_tune:
-        _check_train(cfg)
+        schedule = _check_train(cfg)
         try:
             objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
             mode = auto_precision if cfg.train.precision == "auto" and auto_precision else cfg.train.precision
@@ -151,7 +159,8 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         if objective.needs_teacher and cfg.variant != "mla":
             raise ConfigError(f"objective.name: {objective.name!r} distils the original model into its conversion; "
                               f"variant={cfg.variant!r} has no conversion")
-        memory = _check_memory(cfg, shape, precision, teacher=objective.needs_teacher, device_type=device_type)
+        memory, host_memory, launch = _check_memory(cfg, shape, precision, teacher=objective.needs_teacher,
+                                                    device_type=device_type, refused=refused)
     if cfg.data.source == "hub":
         notes += _probe(lambda: probe_hub_datasets(OmegaConf.to_container(cfg.data.mixture, resolve=True)), "data")
     eval_dtype, eval_dtype_reason = resolve_eval_dtype(
@@ -173,7 +182,8 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
         eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
-        memory=memory, blocked=tuple(blocked or ()),
+        memory=memory, host_memory=host_memory, launch=launch, schedule=schedule, blocked=tuple(blocked or ()),
+        refused=tuple(refused or ()),
     )
 
 
@@ -216,10 +226,13 @@ def intermediate_size(cfg: DictConfig, shape: ModelShape) -> int:
     return int(sizes.get("intermediate_size") or cfg.model.get("intermediate_size") or 4 * shape.hidden_size)
 
 
-def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, teacher: bool,
-                  device_type: str) -> MemoryEstimate | None:
-    """The fine-tune's per-GPU memory where the train config states the GPU's (`train.gpu_memory_gb`); a plan
-    above it is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere)."""
+def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, teacher: bool, device_type: str,
+                  refused: list | None) -> tuple[MemoryEstimate | None, HostEstimate | None, LaunchCheck | None]:
+    """The fine-tune's per-GPU and host memory where the train config states the GPU's (`train.gpu_memory_gb`),
+    for the processes the plan is laid out for (`train.gpus`, or this launch's where it has several). A plan above
+    the GPU's memory is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere); so is a launch
+    with fewer processes than the plan needs, where the plan then would not fit (one process of an 8-GPU FSDP plan
+    trains unsharded): a real run raises, a dry run says so in `refused`."""
     t = cfg.train
     strategy = t.get("strategy") or "ddp"
     if strategy not in STRATEGIES:
@@ -228,14 +241,16 @@ def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, t
         raise ConfigError(f"train.strategy: fsdp shards the fp32 weights themselves; {precision.mode} keeps a "
                           "separate master copy it cannot shard (use bf16-autocast or fp32)")
     if t.get("gpu_memory_gb") is None:
-        return None
+        return None, None, None
     sizes = cfg.model.get("sizes") or {}
     if sizes.get("vocab_size") is None and cfg.model.get("vocab_size") is None:
         raise ConfigError(f"model.sizes.vocab_size: the memory estimate (train.gpu_memory_gb) needs model "
                           f"{cfg.model.get('name')!r}'s vocabulary size")
-    processes = world_size() if world_size() > 1 else int(t.get("gpus") or 1)
-    try:
-        memory = estimate_memory(
+    launched, limit = world_size(), float(t.gpu_memory_gb)
+    planned = launched if launched > 1 else int(t.get("gpus") or 1)
+
+    def per_gpu(processes: int) -> MemoryEstimate:
+        return estimate_memory(
             num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=intermediate_size(cfg, shape),
             vocab_size=int(sizes.get("vocab_size") or cfg.model.get("vocab_size")),
@@ -243,13 +258,29 @@ def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, t
             seq_len=int(t.seq_len), processes=processes, strategy=strategy,
             activation_checkpointing=bool(t.get("activation_checkpointing")), precision_mode=precision.mode,
             teacher=teacher, fused_loss=bool(t.get("fused_loss")))
+
+    try:
+        memory = per_gpu(planned)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if (device_type == "cuda" or cfg.get("dry_run")) and memory.total_gb > float(t.gpu_memory_gb):
+    host = estimate_host_memory(parameters=memory.parameters, processes=planned, strategy=strategy, teacher=teacher)
+    launch = LaunchCheck(planned=planned, launched=launched, needed=processes_needed(per_gpu, limit),
+                         on_launch=per_gpu(launched), limit_gb=limit)
+    if device_type != "cuda" and not cfg.get("dry_run"):
+        return memory, host, launch
+    if memory.total_gb > limit:
         raise ConfigError(f"train.gpu_memory_gb: the fine-tune needs about {memory.describe()}, above the "
                           f"{t.gpu_memory_gb} GB stated; use more GPUs (train.gpus), train.strategy=fsdp, "
                           "train.activation_checkpointing=true or a smaller train.micro_batch_size")
-    return memory
+    if not launch.fits:
+        why = (f"train.gpus: this launch has {launched} process(es) but the plan is laid out for {planned} "
+               f"({strategy}); on {launched} the fine-tune needs about {launch.on_launch.describe()}, above the "
+               f"{limit:g} GB of train.gpu_memory_gb. Launch {planned} processes: torchrun --nproc_per_node {planned} "
+               f"(on SLURM: hydra.launcher.tasks_per_node={planned} hydra.launcher.gpus_per_node={planned})")
+        if refused is None:
+            raise ConfigError(why)
+        refused.append(why)
+    return memory, host, launch
 
 
 def _device_type(device: str) -> str:
@@ -263,7 +294,7 @@ def _device_type(device: str) -> str:
     return kind
 
 
-def _check_train(cfg: DictConfig) -> None:
+def _check_train(cfg: DictConfig) -> Schedule:
     t = cfg.train
     for key in ("seq_len", "micro_batch_size", "grad_accum"):
         if int(t[key]) <= 0:
@@ -287,6 +318,11 @@ def _check_train(cfg: DictConfig) -> None:
     if context and int(t.seq_len) > int(context):
         raise ConfigError(f"train.seq_len: {t.seq_len} is longer than model {cfg.model.name!r}'s context of "
                           f"{context} tokens (model.shape.context_length)")
+    try:
+        budget = plan_budget(t, pretrain_tokens=cfg.model.get("pretrain_tokens"), num_processes=world_size())
+        return schedule_for(t, budget.steps)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_architecture(model_cfg: DictConfig) -> list[str]:

@@ -26,7 +26,8 @@ from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
 from .ranks import (SLOW_EVAL_ENV, eval_wait_s, process_state, same_on_every_rank, shared_bf16_verdict,
                     wait_for_main_process)
-from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, validate
+from .config import (ConfigError, RunPlan, describe, describe_conversion, describe_trained, training_data_cfg,
+                     validate)
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
 
@@ -172,14 +173,27 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
                      f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
         lines.append(f"  step: {'chunked loss' if cfg.train.get('fused_loss') else 'full logits'}, "
                      f"{optimizer_impl(cfg.train)} AdamW (train.fused_loss, train.optimizer_impl)")
+        lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(cfg.train.lr):g})")
+        if plan.launch is not None:
+            lines.append(f"  processes: {plan.launch.describe()}")
         if plan.memory is not None:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
+        if plan.host_memory is not None:
+            lines.append(f"  host memory: {plan.host_memory.describe()}")
+    mixture = (training_data_cfg(cfg) or cfg.data).get("mixture") if plan.fine_tune else None
+    if mixture:
+        from ..data.sources import mixture_token_shares
+
+        shares = mixture_token_shares(OmegaConf.to_container(training_data_cfg(cfg) or cfg.data, resolve=True))
+        lines.append("  mixture, token shares: " + ", ".join(f"{name} {share:.1%}" for name, share in shares))
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  blocked on this machine: {why}" for why in plan.blocked]
+    lines += [f"  REFUSED as launched: {why}" for why in plan.refused]
     if dist.is_main_process:
         print("\n".join(lines))
-    return {"status": "blocked" if plan.blocked else "planned", "error": "; ".join(plan.blocked) or None,
+    status = "refused" if plan.refused else "blocked" if plan.blocked else "planned"
+    return {"status": status, "error": "; ".join(plan.refused + plan.blocked) or None,
             "run_name": run_dir.name, "run_dir": str(run_dir)}
 
 

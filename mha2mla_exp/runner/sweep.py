@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 OUTCOMES = "cells.jsonl"
-FAILED = ("failed", "invalid", "interrupted", "crashed")
+FAILED = ("failed", "invalid", "interrupted", "crashed", "refused")  # refused: a dry run's launch that would be
 
 
 class SweepFailed(SystemExit):

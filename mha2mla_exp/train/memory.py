@@ -1,5 +1,5 @@
-"""How much GPU memory a fine-tune needs per process, from the model's shape and the training plan alone, so
-that a plan that cannot fit is refused before a 7B model is fetched.
+"""How much GPU and host memory a fine-tune needs per process, from the model's shape and the training plan alone,
+so that a plan that cannot fit is refused before a 7B model is fetched, and how many processes it needs.
 
 Bytes per trained parameter: fp32 weights 4, fp32 gradients 4, AdamW's two fp32 moments 8 (every mode keeps
 fp32 master state on GPU; bf16-master adds a bf16 copy of the weights, 2). DDP keeps all of it on every
@@ -11,6 +11,15 @@ only its input (2 x tokens x hidden) and one layer is recomputed at a time. The 
 their gradient (8 x tokens x vocab) plus the bf16 logits under autocast (2 x tokens x vocab), of a micro-batch's
 tokens, or of one chunk's (`loss_head.CHUNK_ROWS`) with `train.fused_loss`. A teacher (logit distillation) is a
 bf16 copy of the original. CUDA context and allocator slack: 1.5 GB plus 10 %.
+
+Host memory per process (`estimate_host_memory`), at each process's peak: the main process loads the original
+in fp32 (4 bytes a parameter) and converts it beside itself (the converted model is smaller: 4 bounds it), so 8.
+Under DDP every process does the same (each holds the whole model to train it). Under FSDP the other processes
+load nothing: they build the converted model on the meta device and receive their shards from the main process
+(train/sharding.py); their host peak is the staging of their own checkpoint shard (fp32 weights and AdamW's two
+moments, 12 bytes a parameter / N). A teacher (logit distillation) is loaded by every process, fp32 on the host
+(4), before it moves to its GPU in bf16. Each process also holds its interpreter, torch and the CUDA libraries
+(`HOST_RUNTIME_BYTES`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ GB = 1e9
 STRATEGIES = ("ddp", "fsdp")
 CONTEXT_BYTES = 1.5e9
 SLACK = 0.10
+HOST_RUNTIME_BYTES = 3e9  # python, torch, CUDA libraries and the tokenizer, resident in every process
+MAX_PROCESSES = 1024      # the most processes `processes_needed` looks for
 
 
 @dataclass(frozen=True)
@@ -83,3 +94,86 @@ def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv
     if teacher:
         parts["teacher (bf16)"] = 2 * p
     return MemoryEstimate(strategy, processes, activation_checkpointing, p, parts)
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    strategy: str
+    processes: int
+    main: dict   # part name -> bytes, the main process at its peak
+    other: dict  # the same for each other process (empty with one process)
+
+    @staticmethod
+    def _total(parts: dict) -> float:
+        return (sum(parts.values()) + HOST_RUNTIME_BYTES) * (1 + SLACK)
+
+    @property
+    def main_gb(self) -> float:
+        return self._total(self.main) / GB
+
+    @property
+    def other_gb(self) -> float:
+        return self._total(self.other) / GB if self.processes > 1 else 0.0
+
+    def node_gb(self, processes_per_node: int) -> float:
+        """The node that holds the main process and `processes_per_node - 1` others."""
+        return self.main_gb + (min(processes_per_node, self.processes) - 1) * self.other_gb
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.main.items())
+        text = f"main process {self.main_gb:.1f} GB ({parts})"
+        if self.processes > 1:
+            others = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.other.items()) or "nothing but the runtime"
+            text += (f", each of the other {self.processes - 1} {self.other_gb:.1f} GB ({others}); "
+                     f"{self.node_gb(self.processes):.1f} GB for all {self.processes} on one node")
+        return text + f" (+ {HOST_RUNTIME_BYTES / GB:.0f} GB runtime each and {SLACK:.0%} slack)"
+
+
+def estimate_host_memory(*, parameters: int, processes: int, strategy: str = "ddp",
+                         teacher: bool = False) -> HostEstimate:
+    """Host (CPU) memory per process of a fine-tune of a model of `parameters` (see the module docstring)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    main = {"original fp32": 4 * parameters, "converted fp32": 4 * parameters}
+    if processes == 1:
+        other = {}
+    elif strategy == "ddp":  # the original each process loads is also its teacher
+        other = dict(main)
+    else:
+        other = {"checkpoint shard": 12 * parameters / processes}
+        if teacher:
+            other["teacher fp32 (loading)"] = 4 * parameters
+    return HostEstimate(strategy, processes, main, other)
+
+
+def processes_needed(estimate, limit_gb: float) -> int | None:
+    """The fewest processes for which `estimate(processes)` (a MemoryEstimate) fits `limit_gb` per GPU, or None
+    where none does (DDP's per-GPU memory does not shrink with more processes)."""
+    processes = 1
+    while processes <= MAX_PROCESSES:
+        if estimate(processes).total_gb <= limit_gb:
+            return processes
+        processes *= 2
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchCheck:
+    """The processes a fine-tune's plan is laid out for (`train.gpus`) against those this launch has."""
+    planned: int
+    launched: int
+    needed: int | None             # the fewest processes whose per-GPU memory fits, None: no count does
+    on_launch: MemoryEstimate      # per GPU with this launch's processes
+    limit_gb: float
+
+    @property
+    def fits(self) -> bool:
+        return self.on_launch.total_gb <= self.limit_gb
+
+    def describe(self) -> str:
+        needed = (f"at least {self.needed} to fit {self.limit_gb:g} GB per GPU" if self.needed
+                  else f"no process count fits {self.limit_gb:g} GB per GPU")
+        verdict = ("accepted" if self.fits else
+                   f"refused: on {self.launched} process(es) it needs {self.on_launch.total_gb:.1f} GB per GPU")
+        return (f"the plan is laid out for {self.planned} (train.gpus, {self.on_launch.strategy}; {needed}); "
+                f"this launch has {self.launched}: {verdict}")

@@ -40,7 +40,7 @@ from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
 from .optimizer import adamw, optimizer_impl
 from .precision import Precision
-from .schedule import warmup_constant_sqrt_decay
+from .schedule import schedule_for
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,8 @@ class FineTuneRecipe:
         no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
         optimizer = adamw([{"params": decay, "weight_decay": cfg.weight_decay},
                            {"params": no_decay, "weight_decay": 0.0}], cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_constant_sqrt_decay(self.budget.steps, cfg.warmup_steps, cfg.decay_fraction)
-        )
+        schedule = schedule_for(cfg, self.budget.steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
         model.train()
         self.loss_head = loss_head_for(model, bool(cfg.get("fused_loss")))
         if cfg.get("compile"):  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation.
