@@ -154,15 +154,17 @@ PAPER_BUDGETS = {  # (optimizer steps, sequences per step, sequence length): MET
 
 
 def sweep_commands(script: Path) -> list[list[str]]:
-    """The `python -m mha2mla_exp ...` command lines of a sweep script, its `for model in ...` loop expanded."""
+    """The overrides a sweep script passes for each model of its `for model in ...` loop (`paper_launch EXPERIMENT
+    "$model"`, sweeps/paper_launch.sh, which adds the launch: torchrun or SLURM tasks for the model's GPUs)."""
     import re
     import shlex
 
     text = script.read_text()
     models = re.search(r"for model in ([^;]+);", text).group(1).split()
-    [line] = [l.strip() for l in text.splitlines() if l.strip().startswith("python -m mha2mla_exp")]
-    args = [a for a in shlex.split(line)[3:] if a != "$@"]
-    return [[a.replace("$model", m) for a in args] for m in models]
+    [line] = [l.strip() for l in text.splitlines() if l.strip().startswith("paper_launch ")]
+    experiment, model, *rest = [a for a in shlex.split(line)[1:] if a != "$@"]
+    assert model == "$model" and not rest, line
+    return [[f"+experiment={experiment}", f"model={m}"] for m in models]
 
 
 @pytest.mark.parametrize("script", sorted((CONF.parent / "sweeps").glob("paper_table*.sh")), ids=lambda p: p.stem)

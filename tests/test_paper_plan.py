@@ -118,3 +118,27 @@ def test_the_readmes_paper_scale_torchrun_line_is_the_papers_recipe(offline, mon
     budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.pretrain_tokens, num_processes=world)
     assert (budget.steps, budget.rows_per_step) == (cfg.model.paper_recipe.steps, cfg.model.paper_recipe.batch_size)
     assert validate(cfg).fine_tune
+
+
+def test_the_paper_sweeps_launch_each_model_with_the_processes_its_plan_needs(tmp_path):
+    """sweeps/paper_table1.sh ran every model as one process (`python -m`), the 8-GPU 7B plan included."""
+    import os
+    import subprocess
+
+    log = tmp_path / "calls"
+    for prog in ("python", "torchrun"):
+        stub = tmp_path / prog
+        stub.write_text(f'#!/usr/bin/env bash\necho "{prog} $*" >> {log}\n')
+        stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    script = ROOT / "sweeps" / "paper_table1.sh"
+    subprocess.run(["bash", str(script), "logger=none"], env=env, check=True)
+    local = log.read_text().splitlines()
+    log.unlink()
+    subprocess.run(["bash", str(script), "hydra/launcher=slurm"], env=env, check=True)
+    slurm = log.read_text().splitlines()
+    assert local[0].startswith("python -m mha2mla_exp +experiment=paper_table1 model=smollm_135m")
+    assert local[-1].startswith("torchrun --standalone --nproc_per_node 8 -m mha2mla_exp +experiment=paper_table1 "
+                                "model=llama2_7b logger=none")
+    assert "hydra.launcher.tasks_per_node=1 hydra.launcher.gpus_per_node=1" in slurm[0]
+    assert "model=llama2_7b hydra.launcher.tasks_per_node=8 hydra.launcher.gpus_per_node=8" in slurm[-1]
