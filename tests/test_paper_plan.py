@@ -142,3 +142,21 @@ def test_the_paper_sweeps_launch_each_model_with_the_processes_its_plan_needs(tm
                                 "model=llama2_7b logger=none")
     assert "hydra.launcher.tasks_per_node=1 hydra.launcher.gpus_per_node=1" in slurm[0]
     assert "model=llama2_7b hydra.launcher.tasks_per_node=8 hydra.launcher.gpus_per_node=8" in slurm[-1]
+
+
+@pytest.mark.parametrize("model", ["smollm_1b7", "llama2_7b"])
+def test_the_slurm_stop_margin_covers_the_step_in_flight_and_the_checkpoint(model):
+    """A time-limit signal checkpoints at the next step boundary: the margin must outlast the step in progress
+    (~1 min for 1M tokens on 8 GPUs) and writing the checkpoint on a slow shared filesystem (100 MB/s a
+    process). 120 s was under what the 7B's sharded and the 1.7B's DDP checkpoint take there."""
+    from omegaconf import OmegaConf
+
+    from mha2mla_exp.train.memory import checkpoint_bytes_per_process, parameter_count
+
+    launcher = OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml")
+    cfg = compose_paper(f"model={model}")
+    shape, sizes, plan = cfg.model.shape, cfg.model.sizes, cfg.model.gpu_plan
+    p = parameter_count(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                        sizes.intermediate_size, sizes.vocab_size, sizes.tied_embeddings)
+    written = checkpoint_bytes_per_process(parameters=p, processes=plan.gpus, strategy=plan.strategy)
+    assert launcher.signal_delay_s >= 60 + written / 100e6

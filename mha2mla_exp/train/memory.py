@@ -177,3 +177,9 @@ class LaunchCheck:
                    f"refused: on {self.launched} process(es) it needs {self.on_launch.total_gb:.1f} GB per GPU")
         return (f"the plan is laid out for {self.planned} (train.gpus, {self.on_launch.strategy}; {needed}); "
                 f"this launch has {self.launched}: {verdict}")
+
+
+def checkpoint_bytes_per_process(*, parameters: int, processes: int, strategy: str) -> float:
+    """What the busiest process writes at a checkpoint: fp32 weights and AdamW's two moments (12 bytes a parameter),
+    its 1/N shard under FSDP (sharded checkpoints), all of it from the main process under DDP."""
+    return 12 * parameters / (processes if strategy == "fsdp" else 1)
