@@ -97,7 +97,9 @@ def test_a_streamed_corpus_trains_on_fresh_rows_and_resumes_exactly(tmp_path):
     extra = ("train.tokens=4096", "train.checkpoint_every=2", "train.precision=fp32")
     reference = run(streamed_cfg(tmp_path / "a", *extra))
     assert reference["status"] == "ok" and reference["data"]["streamed"] is True
+    read = reference["train"]["data"].pop("mixture_read")  # the one part: every token read is its
     assert reference["train"]["data"] == {"rows_read": 128, "epochs": None, "fresh_tokens": True}
+    assert read["token_shares_read"] == {"toy": 1.0} and read["tokens_read"]["toy"] >= 128 * 32
 
     cfg = streamed_cfg(tmp_path / "b", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):

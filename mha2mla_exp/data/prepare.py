@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from .held_out import row_documents
 from .packing import concat_documents, is_held_out, pack
 from .rows import FiniteRows, rechunk
-from .stream import TrainStream, read_held_out
+from .stream import StreamMixture, TrainStream, plan_mixture, read_held_out, read_shares
+from .tokens import bos_prefix, tokenize_documents
 from ..confutil import as_plain_dict
 from .sources import check_data_config, corpus_fingerprint, iter_documents
 
@@ -120,8 +121,9 @@ def document_tokens(cfg: dict, tokenizer) -> Iterator[tuple[str, list[int]]]:
             yield ",".join(map(str, ids)), ids
         return
     texts = (t for t in iter_documents(cfg) if t.strip())  # blank documents would only add a separator
+    prefix = bos_prefix(tokenizer)
     while chunk := list(islice(texts, _CHUNK)):
-        yield from zip(chunk, tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"])
+        yield from zip(chunk, tokenize_documents(tokenizer, chunk, prefix))
 
 
 def tokenize_corpus(cfg: dict, tokenizer, separator: int) -> dict[str, torch.Tensor]:
@@ -163,6 +165,8 @@ def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True
         "held_out_fraction": cfg["held_out_fraction"],
         "split_seed": cfg["split_seed"],
     }
+    if bos_prefix(tokenizer):  # documents start with BOS: only then in the key, so no earlier cache moves
+        material["document_prefix"] = bos_prefix(tokenizer)
     path = _cache_path(cfg.get("name") or cfg["source"], material) if cache else None
     key = json.dumps(material, sort_keys=True)
     if path is not None and path.is_file():
@@ -196,6 +200,7 @@ class StreamedData:
     cfg: dict
     tokenizer: Any
     held_out_digests: set
+    mixture: StreamMixture
     stats: dict = field(default_factory=dict)
     held_out_doc_lengths: torch.Tensor | None = None
 
@@ -207,13 +212,14 @@ class StreamedData:
         """The stream after the held-out documents, packed into rows of `seq_len`, each window of
         `data.shuffle_rows` rows in an order drawn from `seed` (data.stream)."""
         return TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
-                           seed=seed, shuffle_rows=self.cfg.get("shuffle_rows", 0))
+                           seed=seed, shuffle_rows=self.cfg.get("shuffle_rows", 0), mixture=self.mixture)
 
     def sample_train(self, n: int, seq_len: int, seed: int, *, after_tokens: int = 0) -> torch.Tensor:
         """`n` rows of `seq_len` read in order from the training stream after its first `after_tokens` tokens
         (calibration reads the head of the fine-tuning mix, as in the paper; a later sample passes over the
         earlier ones'). A stream is read in order, so `seed` plays no part here: `after_tokens` does."""
-        rows = TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests)
+        rows = TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
+                           mixture=self.mixture)
         rows.skip_tokens(after_tokens)
         return rows.next_rows(n)
 
@@ -227,17 +233,23 @@ def _row_documents(doc_lengths: torch.Tensor | None, stream: torch.Tensor, seq_l
 def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
     name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
     separator = resolve_separator(cfg, tokenizer)
-    stream, digests, n_docs, doc_lengths = read_held_out(cfg, tokenizer, separator)
+    mixture = plan_mixture(cfg, tokenizer)
+    stream, digests, n_docs, doc_lengths, held_out_by_source = read_held_out(cfg, tokenizer, separator, mixture)
     packed = pack(stream, seq_len)
     if packed.rows.shape[0] == 0:
         raise ValueError(f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
                          f"{stream.numel()} tokens, not one held-out row of {seq_len}; hold out more")
     stats = {"name": name, "source": cfg["source"], "streamed": True, "seq_len": seq_len, "separator_id": separator,
              "documents": {"held_out": n_docs}, "tokens": {"held_out": int(stream.numel())},
-             "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"]}
+             "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"],
+             "document_prefix": bos_prefix(tokenizer),  # [BOS] where the tokenizer adds it (data/tokens.py)
+             # intended token shares, the measurement behind the document probabilities, and the held-out
+             # documents' own shares; the fine-tune's are in the record's train.data.mixture_read
+             "mixture": mixture.describe() | {"held_out": read_shares(held_out_by_source)}}
     log.info("data %r (streamed): %d held-out documents, %d rows", name, n_docs, packed.rows.shape[0])
     return StreamedData(name=name, seq_len=seq_len, separator_id=separator, held_out=packed.rows,
-                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests, stats=stats,
+                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests,
+                        mixture=mixture, stats=stats,
                         held_out_doc_lengths=doc_lengths)
 
 

@@ -5,6 +5,9 @@ A data config (conf/data/*.yaml) names the source:
     source: local   paths: <folder | glob | file>...  .txt = one document per file,
                                                       .jsonl(.gz) = one per line (field `text_field`)
     source: hub     mixture: [{path, config, split, weight, text_field | blob_field}, ...]
+                    weights are TOKEN shares (stream.StreamMixture turns them into document probabilities);
+                    missing_parts: refuse | renormalise   a part this machine cannot read (python-edu
+                    without AWS access) refuses the config, or is dropped and the others renormalised
     source: teacher teacher: <model config>  generation: {...}   text the model writes itself (teacher.py)
 Every source but `teacher` yields plain strings in a fixed order; a teacher's samples are token ids already.
 Splitting and tokenizing happen in prepare.py.
@@ -17,6 +20,9 @@ import gzip
 import hashlib
 import json
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,8 @@ from ..confutil import as_plain_dict
 
 SOURCES = ("asset", "local", "hub", "teacher")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+MISSING_PARTS = ("refuse", "renormalise")
+DEFAULT_LENGTH_SAMPLE = 1000  # documents per part whose mean length turns token shares into document probabilities
 
 
 def check_data_config(data_cfg: Any, *, missing_access: list[str] | None = None) -> None:
@@ -65,7 +73,16 @@ def check_data_config(data_cfg: Any, *, missing_access: list[str] | None = None)
 
         check_teacher_config(cfg)
     else:
-        check_mixture(cfg.get("mixture"), missing_access=missing_access)
+        missing_parts = cfg.get("missing_parts", "refuse")
+        if missing_parts not in MISSING_PARTS:
+            raise ValueError(f"data.missing_parts: a mixture part this machine cannot read is refused or dropped "
+                             f"(the others renormalised); expected one of {', '.join(MISSING_PARTS)}, "
+                             f"got {missing_parts!r}")
+        check_mixture(cfg.get("mixture"), missing_access=missing_access, renormalise=missing_parts == "renormalise")
+        sample = cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+            raise ValueError(f"data.length_sample_documents: each part's mean document length is measured on its "
+                             f"first N documents; expected a positive integer, got {sample!r}")
         for key in ("max_tokens", "max_documents"):
             if cfg.get(key) is not None:
                 raise ValueError(
@@ -88,7 +105,9 @@ def _eval_assets() -> set[str]:
     return {a.name for a in ASSETS.values() if a.kind == "eval"}
 
 
-def check_mixture(mixture: Any, *, missing_access: list[str] | None = None) -> None:
+def check_mixture(mixture: Any, *, missing_access: list[str] | None = None, renormalise: bool = False) -> None:
+    """The parts' fields and weights; a part this machine cannot read is refused, unless `renormalise` (it is
+    dropped when the stream opens) or `missing_access` is a list (a dry run: appended there)."""
     if not isinstance(mixture, list) or not mixture:
         raise ValueError(f"data.mixture: a hub source needs a non-empty list of parts, got {mixture!r}")
     for i, part in enumerate(mixture):
@@ -102,16 +121,49 @@ def check_mixture(mixture: Any, *, missing_access: list[str] | None = None) -> N
             raise ValueError(f"{where}: give exactly one of text_field (the text column) or blob_field")
         if part["path"] in PACKAGED_BUILDERS:
             _check_data_files(part.get("data_files"), where)
-        if part.get("blob_field"):
-            try:
-                check_software_heritage_access(where)
-            except ValueError as err:
-                if missing_access is None:
-                    raise
-                missing_access.append(str(err))
+        access = part_access_error(part, where)
+        if access is not None and not renormalise:
+            if missing_access is None:
+                raise ValueError(access)
+            missing_access.append(access)
     total = sum(p["weight"] for p in mixture)
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")
+    if renormalise and not available_parts({"mixture": mixture, "missing_parts": "renormalise"})[0]:
+        raise ValueError("data.missing_parts: renormalise drops every part of data.mixture: this machine can "
+                         "read none of them")
+
+
+def part_access_error(part: dict, where: str) -> str | None:
+    """Why this machine cannot read `part` (python-edu's S3 access), or None."""
+    if not part.get("blob_field"):
+        return None
+    try:
+        check_software_heritage_access(where)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def available_parts(cfg: dict) -> tuple[list[tuple[dict, float]], list[dict]]:
+    """(part, token share) for the parts read, and the parts dropped with why. With `missing_parts: renormalise`
+    a part this machine cannot read is dropped and the others' weights renormalised to sum to 1; with `refuse`
+    (the default) every part is kept: validation refuses what cannot be read, a dry run plans for the cluster."""
+    kept, dropped = [], []
+    for i, part in enumerate(cfg["mixture"]):
+        access = part_access_error(part, f"data.mixture[{i}]") if cfg.get("missing_parts") == "renormalise" else None
+        if access is None:
+            kept.append(part)
+        else:
+            dropped.append({"name": part_name(part), "weight": part["weight"], "reason": access})
+    total = sum(p["weight"] for p in kept)
+    return [(p, p["weight"] / total) for p in kept if total > 0], dropped
+
+
+def mixture_token_shares(data_cfg: Any) -> list[tuple[str, float]]:
+    """(part name, token share) of a hub mixture as it will be read, after any renormalisation."""
+    cfg = as_plain_dict(data_cfg, "data")
+    return [(part_name(part), share) for part, share in available_parts(cfg)[0]]
 
 
 # `datasets` builders that read local (or URL) files named by data_files instead of a hub repository
@@ -135,12 +187,13 @@ def check_software_heritage_access(where: str) -> None:
         raise ValueError(
             f"{where}.blob_field: this part stores Software Heritage blob ids, not text; reading it needs "
             "`pip install boto3` and AWS credentials allowed to read s3://softwareheritage (see the "
-            "HuggingFaceTB/smollm-corpus card), or drop the part from data.mixture and renormalise the weights"
+            "HuggingFaceTB/smollm-corpus card), or set data.missing_parts=renormalise to drop it"
         ) from None
     if boto3.Session().get_credentials() is None:
         raise ValueError(
             f"{where}.blob_field: boto3 finds no AWS credentials (env AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "~/.aws/credentials or an instance role); python-edu's text lives in s3://softwareheritage"
+            "~/.aws/credentials or an instance role); python-edu's text lives in s3://softwareheritage "
+            "(or set data.missing_parts=renormalise to drop it)"
         )
 
 
@@ -259,63 +312,128 @@ def iter_documents(data_cfg: Any) -> Iterator[str]:
             yield example["text"]
 
 
-def hub_mixture(mixture: list[dict], seed: int = 0):
-    """The parts streamed from the hub and interleaved with probabilities = weights (seeded)."""
+def hub_mixture(mixture: list[dict], seed: int = 0, probabilities: list[float] | None = None):
+    """The parts streamed from the hub and interleaved per DOCUMENT with `probabilities` (default: the weights),
+    seeded; stream.StreamMixture gives the probabilities that make the weights token shares."""
     import datasets
 
-    streams = []
-    for part in mixture:
-        extra = {"data_files": part["data_files"]} if part.get("data_files") else {}
-        ds = datasets.load_dataset(
-            part["path"], part.get("config"), split=part.get("split", "train"), streaming=True,
-            revision=part.get("revision"), **extra,
-        )
-        ds = ds.map(_text_getter(part))
-        streams.append(ds.select_columns(["text", "source"]))
+    streams = [part_stream(part) for part in mixture]
     if len(streams) == 1:
         return streams[0]
     return datasets.interleave_datasets(
-        streams, probabilities=[p["weight"] for p in mixture], seed=seed, stopping_strategy="first_exhausted"
+        streams, probabilities=probabilities or [p["weight"] for p in mixture], seed=seed,
+        stopping_strategy="first_exhausted",
     )
 
 
-def _part_name(part: dict) -> str:
+def part_stream(part: dict):
+    """One part's streamed documents as {text, source}; python-edu's blobs are fetched in batches, concurrently."""
+    import datasets
+
+    extra = {"data_files": part["data_files"]} if part.get("data_files") else {}
+    ds = datasets.load_dataset(
+        part["path"], part.get("config"), split=part.get("split", "train"), streaming=True,
+        revision=part.get("revision"), **extra,
+    )
+    if part.get("blob_field"):
+        ds = ds.map(_blob_fetcher(part), batched=True, batch_size=BLOB_BATCH)
+    else:
+        ds = ds.map(_text_getter(part))
+    return ds.select_columns(["text", "source"])
+
+
+def part_name(part: dict) -> str:
     return part.get("name") or "/".join(x for x in (part["path"], part.get("config")) if x)
 
 
 def _text_getter(part: dict):
-    name = _part_name(part)
-    field = part.get("text_field")
-    blob = part.get("blob_field")
+    name = part_name(part)
+    field = part["text_field"]
 
     def to_text(example: dict) -> dict:
-        if field:
-            if not isinstance(example.get(field), str):
-                raise ValueError(f"hub part {name!r}: no string column {field!r} (text_field); has {sorted(example)}")
-            return {"text": example[field], "source": name}
-        if blob not in example:
-            raise ValueError(f"hub part {name!r}: no column {blob!r} (blob_field); has {sorted(example)}")
-        return {"text": software_heritage_text(example[blob]), "source": name}
+        if not isinstance(example.get(field), str):
+            raise ValueError(f"hub part {name!r}: no string column {field!r} (text_field); has {sorted(example)}")
+        return {"text": example[field], "source": name}
 
     return to_text
 
 
+def _blob_fetcher(part: dict):
+    name = part_name(part)
+    blob = part["blob_field"]
+
+    def to_texts(batch: dict) -> dict:
+        if blob not in batch:
+            raise ValueError(f"hub part {name!r}: no column {blob!r} (blob_field); has {sorted(batch)}")
+        texts = fetch_blob_texts(batch[blob])
+        return {"text": texts, "source": [name] * len(texts)}
+
+    return to_texts
+
+
+# python-edu: each document is one object in Software Heritage's bucket, so the reader fetches many at once
+BLOB_BATCH = 128        # documents per batched map call
+BLOB_WORKERS = 32       # fetches in flight
+BLOB_ATTEMPTS = 6       # per blob, on transient errors (botocore retries inside each attempt too)
+BLOB_BACKOFF_S = 1.0    # doubled after each failed attempt, at most 30 s
+_TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+                       "ThrottlingException", "RequestLimitExceeded"}
+_TRANSIENT_BOTOCORE = {"HTTPClientError", "ResponseStreamingError", "IncompleteReadError"}  # connection, timeouts
+
+
+def fetch_blob_texts(blob_ids: list[str]) -> list[str]:
+    """The texts of `blob_ids`, in their order, fetched BLOB_WORKERS at a time."""
+    with ThreadPoolExecutor(max_workers=BLOB_WORKERS, thread_name_prefix="python-edu") as pool:
+        return list(pool.map(software_heritage_text, blob_ids))
+
+
 _S3 = None
+_S3_LOCK = threading.Lock()
+
+
+def _s3_client():
+    """One client for every fetch thread (boto3 clients are thread-safe; sessions are not)."""
+    global _S3
+    with _S3_LOCK:
+        if _S3 is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise RuntimeError(
+                    "python-edu stores Software Heritage blob ids, not text: reading it needs `pip install boto3` "
+                    "and AWS credentials allowed to read s3://softwareheritage (see the HuggingFaceTB/smollm-corpus "
+                    "card), or set data.missing_parts=renormalise to drop it"
+                ) from None
+            _S3 = boto3.client("s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"},
+                                                   max_pool_connections=BLOB_WORKERS))
+    return _S3
+
+
+def _transient(err: BaseException) -> bool:
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError: retry throttling and server errors only
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES or status >= 500 or status == 429
+    if {c.__name__ for c in type(err).__mro__} & _TRANSIENT_BOTOCORE:
+        return True
+    return isinstance(err, (OSError, EOFError))  # sockets, timeouts, a body cut short (gzip: EOFError)
 
 
 def software_heritage_text(blob_id: str) -> str:
-    """python-edu ships blob ids only; its files live gzipped in Software Heritage's S3 bucket."""
-    global _S3
-    try:
-        import boto3
-    except ImportError:
-        raise RuntimeError(
-            "python-edu stores Software Heritage blob ids, not text: reading it needs `pip install boto3` and AWS "
-            "credentials allowed to read s3://softwareheritage (see the HuggingFaceTB/smollm-corpus card), "
-            "or drop python-edu from data.mixture and renormalise the weights"
-        ) from None
-    if _S3 is None:
-        _S3 = boto3.client("s3")
-    obj = _S3.get_object(Bucket="softwareheritage", Key=f"content/{blob_id}")
-    with gzip.GzipFile(fileobj=obj["Body"]) as f:
-        return f.read().decode("utf-8", errors="ignore")
+    """python-edu ships blob ids only; its files live gzipped in Software Heritage's S3 bucket. A transient error
+    is retried with backoff (the body's read too, which botocore's own retries do not cover)."""
+    client = _s3_client()
+    for attempt in range(1, BLOB_ATTEMPTS + 1):
+        try:
+            obj = client.get_object(Bucket="softwareheritage", Key=f"content/{blob_id}")
+            with gzip.GzipFile(fileobj=obj["Body"]) as f:
+                return f.read().decode("utf-8", errors="ignore")
+        except Exception as err:
+            if attempt == BLOB_ATTEMPTS or not _transient(err):
+                raise RuntimeError(
+                    f"python-edu: blob {blob_id!r} (s3://softwareheritage/content/{blob_id}) failed after {attempt} "
+                    f"attempt(s): {type(err).__name__}: {err}"
+                ) from err
+            time.sleep(min(BLOB_BACKOFF_S * 2 ** (attempt - 1), 30.0))
+    raise AssertionError("unreachable")

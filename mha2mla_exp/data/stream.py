@@ -4,6 +4,13 @@ The hub mixture (or any `datasets` builder, e.g. `path: json` + `data_files:` fo
 with `datasets` streaming, documents are tokenized in chunks, followed by the separator and cut into
 rows of the training length. Nothing is held in memory beyond one chunk.
 
+Mixture: the configured weights are TOKEN shares (the paper's), but `datasets.interleave_datasets` draws
+DOCUMENTS; a part of long documents (open-web-math) would take more than its share and one of short documents
+(python-edu) less. `StreamMixture` measures each part's mean document length in tokens (the run's tokenizer,
+its first `length_sample_documents` documents) and interleaves with document probabilities proportional to
+share / mean length, so `datasets` keeps its own resumable state; the run's data stats carry the measured
+means, the probabilities used and the token shares actually read (`TrainStream.tokens_by_source`).
+
 Split: the first `held_out_documents` documents of the stream are the held-out set (read once, at
 start); the training rows are everything after them, minus any later document whose text equals a
 held-out one, so duplicates cannot leak held-out text into training.
@@ -23,10 +30,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from .sources import hub_mixture
+from .sources import DEFAULT_LENGTH_SAMPLE, available_parts, hub_mixture, part_name, part_stream
+from .tokens import bos_prefix, tokenize_documents
 
 log = logging.getLogger(__name__)
 
@@ -37,56 +46,137 @@ def text_digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
-def _documents(dataset) -> Iterator[str]:
+def _documents(dataset) -> Iterator[tuple[str, str]]:
+    """(source part, text) of each non-blank document."""
     for example in dataset:
         if example["text"].strip():
-            yield example["text"]
+            yield example["source"], example["text"]
 
 
-def read_held_out(cfg: dict, tokenizer, separator: int) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor]:
+@dataclass(frozen=True)
+class StreamMixture:
+    """The parts a streamed source reads, each with its token share and the document probability that gives it
+    (share / mean document length, normalised); `dropped`: the parts left out by `missing_parts: renormalise`."""
+
+    parts: list[dict]
+    token_shares: list[float]
+    mean_document_tokens: list[float] | None  # None: one part, nothing to weigh
+    documents_measured: list[int] | None
+    dropped: list[dict]
+    seed: int
+
+    @property
+    def names(self) -> list[str]:
+        return [part_name(p) for p in self.parts]
+
+    @property
+    def probabilities(self) -> list[float] | None:
+        if self.mean_document_tokens is None:
+            return None
+        raw = [share / mean for share, mean in zip(self.token_shares, self.mean_document_tokens)]
+        return [x / sum(raw) for x in raw]
+
+    def open(self):
+        """A fresh interleaved stream (documents with `text` and `source`)."""
+        return hub_mixture(self.parts, seed=self.seed, probabilities=self.probabilities)
+
+    def describe(self, tokens_by_source: dict[str, int] | None = None) -> dict:
+        """For the run record: intended token shares, the measurement and the probabilities it gave, what was
+        dropped, and (given the tokens read per part) the token shares measured over them."""
+        out = {"token_shares": dict(zip(self.names, self.token_shares)),
+               "dropped": list(self.dropped),
+               "mean_document_tokens": dict(zip(self.names, self.mean_document_tokens or [])) or None,
+               "documents_measured": dict(zip(self.names, self.documents_measured or [])) or None,
+               "document_probabilities": dict(zip(self.names, self.probabilities or [])) or None}
+        if tokens_by_source is not None:
+            out |= read_shares(tokens_by_source)
+        return out
+
+
+def read_shares(tokens_by_source: dict[str, int]) -> dict:
+    total = sum(tokens_by_source.values())
+    return {"tokens_read": dict(tokens_by_source),
+            "token_shares_read": {k: v / total for k, v in tokens_by_source.items()} if total else {}}
+
+
+def plan_mixture(cfg: dict, tokenizer) -> StreamMixture:
+    """The mixture `cfg` reads with this tokenizer: each part's mean document length measured on its first
+    `length_sample_documents` documents, as they land in the stream (BOS, separator included)."""
+    kept, dropped = available_parts(cfg)
+    if dropped:
+        log.warning("data.missing_parts=renormalise: dropped %s; token shares now %s",
+                    [d["name"] for d in dropped], {part_name(p): round(s, 4) for p, s in kept})
+    parts, shares = [p for p, _ in kept], [s for _, s in kept]
+    means = counted = None
+    if len(parts) > 1:
+        wanted, prefix = int(cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)), bos_prefix(tokenizer)
+        means, counted = [], []
+        for part in parts:
+            texts = [t for _, (_, t) in zip(range(wanted), _documents(part_stream(part)))]
+            if not texts:
+                raise ValueError(f"data.mixture: part {part_name(part)!r} has no documents")
+            tokens = sum(len(ids) + 1 for start in range(0, len(texts), _CHUNK)
+                         for ids in tokenize_documents(tokenizer, texts[start:start + _CHUNK], prefix))
+            means.append(tokens / len(texts))
+            counted.append(len(texts))
+    mixture = StreamMixture(parts, shares, means, counted, dropped, seed=cfg.get("mixture_seed", 0))
+    log.info("data mixture: %s", mixture.describe())
+    return mixture
+
+
+def read_held_out(cfg: dict, tokenizer, separator: int, mixture: StreamMixture | None = None
+                  ) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor, dict[str, int]]:
     """The first `held_out_documents` documents as one token stream; their digests; the count read; each
-    document's length in the stream (its separator included)."""
+    document's length in the stream (its separator included); the tokens per mixture part."""
+    mixture = mixture or plan_mixture(cfg, tokenizer)
     wanted = int(cfg["held_out_documents"])
-    texts, stream, lengths = [], [], []
-    for text in _documents(hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))):
-        texts.append(text)
-        if len(texts) == wanted:
+    docs, stream, lengths, by_source = [], [], [], {}
+    for source, text in _documents(mixture.open()):
+        docs.append((source, text))
+        if len(docs) == wanted:
             break
-    for start in range(0, len(texts), _CHUNK):
-        for ids in tokenizer(texts[start:start + _CHUNK], add_special_tokens=False, verbose=False)["input_ids"]:
+    prefix = bos_prefix(tokenizer)
+    for start in range(0, len(docs), _CHUNK):
+        chunk = docs[start:start + _CHUNK]
+        for (source, _), ids in zip(chunk, tokenize_documents(tokenizer, [t for _, t in chunk], prefix)):
             stream.extend(ids)
             stream.append(separator)
             lengths.append(len(ids) + 1)
-    return (torch.tensor(stream, dtype=torch.long), {text_digest(t) for t in texts}, len(texts),
-            torch.tensor(lengths, dtype=torch.long))
+            by_source[source] = by_source.get(source, 0) + len(ids) + 1
+    return (torch.tensor(stream, dtype=torch.long), {text_digest(t) for _, t in docs}, len(docs),
+            torch.tensor(lengths, dtype=torch.long), by_source)
 
 
 class TrainStream:
     """Training rows `[n, seq_len]` read in order from the stream, skipping the held-out documents."""
 
     def __init__(self, cfg: dict, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes], *,
-                 seed: int = 0, shuffle_rows: int = 0):
+                 seed: int = 0, shuffle_rows: int = 0, mixture: StreamMixture | None = None):
         self.cfg, self.tokenizer, self.separator, self.seq_len = cfg, tokenizer, separator, seq_len
+        self.mixture = mixture or plan_mixture(cfg, tokenizer)
+        self.prefix = bos_prefix(tokenizer)
         self.seed, self.shuffle_rows = seed, int(shuffle_rows or 0)
         self.window: torch.Tensor | None = None  # the current window's rows, in their shuffled order
         self.window_pos, self.windows_started, self.window_start = 0, 0, None
         self.skip = held_out_digests
-        self.dataset = hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0))
+        self.dataset = self.mixture.open()
         self.buffer: list[int] = []
+        self.buffer_sources: list[list] = []  # [part, tokens] runs covering `buffer`, in order
+        self.tokens_by_source: dict[str, int] = {}  # the tokens of the rows read, per mixture part
         self.rows_read = 0
         self.documents_read = 0
         self._skipped_head = 0  # the held-out documents at the start are passed over once
         self._iterator = None
 
-    def _texts(self) -> Iterator[str]:
+    def _texts(self) -> Iterator[tuple[str, str]]:
         held_out_head = int(self.cfg["held_out_documents"])
-        for text in _documents(self.dataset):
+        for source, text in _documents(self.dataset):
             if self._skipped_head < held_out_head:
                 self._skipped_head += 1
                 continue
             if text_digest(text) in self.skip:
                 continue
-            yield text
+            yield source, text
 
     def next_rows(self, n: int) -> torch.Tensor:
         """The next `n` rows; raises when the stream ends first (a finite local file)."""
@@ -108,7 +198,7 @@ class TrainStream:
     def skip_tokens(self, n: int) -> None:
         """Pass over the next `n` tokens of the stream in order (samples that must not overlap an earlier one)."""
         self._fill(n)
-        del self.buffer[:n]
+        self._take(n)
 
     def _next_window(self) -> None:
         self.window_start = self._raw_state()
@@ -122,8 +212,20 @@ class TrainStream:
         need = n * self.seq_len
         self._fill(need)
         rows = torch.tensor(self.buffer[:need], dtype=torch.long).view(n, self.seq_len)
-        del self.buffer[:need]
+        self._take(need)
         return rows
+
+    def _take(self, n: int) -> None:
+        """Drop the first `n` buffered tokens, counting them to their parts."""
+        del self.buffer[:n]
+        while n:
+            run = self.buffer_sources[0]
+            taken = min(n, run[1])
+            self.tokens_by_source[run[0]] = self.tokens_by_source.get(run[0], 0) + taken
+            run[1] -= taken
+            n -= taken
+            if not run[1]:
+                self.buffer_sources.pop(0)
 
     def _fill(self, need: int) -> None:
         if self._iterator is None:
@@ -135,9 +237,10 @@ class TrainStream:
                     f"data: the stream ended after {self.rows_read} rows of {self.seq_len} tokens "
                     f"({self.documents_read} training documents); the budget asks for more"
                 )
-            for ids in self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            for (source, _), ids in zip(chunk, tokenize_documents(self.tokenizer, [t for _, t in chunk], self.prefix)):
                 self.buffer.extend(ids)
                 self.buffer.append(self.separator)
+                self.buffer_sources.append([source, len(ids) + 1])
             self.documents_read += len(chunk)
 
     def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
@@ -150,15 +253,24 @@ class TrainStream:
     def epochs(self, rows_read: int) -> None:
         return None  # fresh tokens: never a second pass
 
+    def mixture_read(self) -> dict:
+        """The tokens of the rows read so far per mixture part (a shuffle window counted whole once started),
+        and their shares, against the intended ones in the data stats' `mixture.token_shares`."""
+        return read_shares(self.tokens_by_source)
+
     tokens_available = None  # unbounded
 
     def _raw_state(self) -> dict:
         return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer),
+                "buffer_sources": [list(run) for run in self.buffer_sources],
+                "tokens_by_source": dict(self.tokens_by_source),
                 "documents_read": self.documents_read, "skipped_head": self._skipped_head}
 
     def _load_raw_state(self, state: dict) -> None:
         self.dataset.load_state_dict(state["dataset"])
         self.buffer = list(state["buffer"])
+        self.buffer_sources = [list(run) for run in state["buffer_sources"]]
+        self.tokens_by_source = dict(state["tokens_by_source"])
         self.documents_read, self._skipped_head = state["documents_read"], state["skipped_head"]
         self._iterator = None
 
@@ -166,7 +278,8 @@ class TrainStream:
         if self.window is None:
             return self._raw_state() | {"rows_read": self.rows_read, "windows_started": self.windows_started}
         return self.window_start | {"rows_read": self.rows_read, "windows_started": self.windows_started - 1,
-                                    "window_pos": self.window_pos}
+                                    "window_pos": self.window_pos,
+                                    "tokens_by_source": dict(self.tokens_by_source)}  # the window counted whole
 
     def load_state_dict(self, state: dict) -> None:
         self._load_raw_state(state)
@@ -175,6 +288,7 @@ class TrainStream:
         if "window_pos" in state:  # inside a window: read it again from its start, then go to the position
             self._next_window()
             self.window_pos = state["window_pos"]
+            self.tokens_by_source = dict(state["tokens_by_source"])  # not the window twice
 
 
 class PrefetchedRows:
@@ -228,6 +342,11 @@ class PrefetchedRows:
 
     def epochs(self, rows_read: int) -> None:  # the stream's own facts: reading ahead changes none of them
         return self.stream.epochs(rows_read)
+
+    def mixture_read(self) -> dict | None:
+        """As TrainStream's, at the state handed out (not the step read ahead); None on a process that only
+        receives rows."""
+        return read_shares(self._state["tokens_by_source"]) if self._state is not None else None
 
     @property
     def tokens_available(self) -> None:

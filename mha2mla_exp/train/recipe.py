@@ -329,7 +329,8 @@ class FineTuneRecipe:
             "optimizer_impl": optimizer_impl(self.cfg),
             "resumed_from_step": self.resumed_from,
             "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
-            "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0},
+            "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0}
+            | _mixture_read(self.rows),
             "heldout_ppl_probe": {str(k): v.get("heldout_ppl_probe") for k, v in sorted(self.probe_results.items())}
             or None,
             "probe_dtype": str(self.precision.param_dtype).removeprefix("torch."),  # the weights' own, no autocast
@@ -436,6 +437,12 @@ def train_flops_per_token(model, seq_len: int) -> float:
     n = sum(p.numel() for p in model.parameters())
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6 * n + attn
+
+
+def _mixture_read(rows) -> dict:
+    """A streamed mixture's tokens read per part (against the record's data.mixture.token_shares); {} otherwise."""
+    read = getattr(rows, "mixture_read", lambda: None)()
+    return {"mixture_read": read} if read is not None else {}
 
 
 def _load_avg() -> float | None:
