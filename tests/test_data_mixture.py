@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import random
+import re
 import threading
 import time
 
@@ -103,9 +104,9 @@ def test_the_rows_hold_each_part_in_its_token_share_whatever_its_document_length
     assert set(held_out) <= set(shares) and sum(held_out.values()) == pytest.approx(1.0)
 
 
-def test_the_shares_read_resume_with_the_rows(tmp_path, tok):
-    data = prepare_data(stream_cfg(lettered_parts(tmp_path, {"long": 0.6, "short": 0.4}, n=2000),
-                                   shuffle_rows=16), tok)
+def test_the_shares_read_resume_with_the_rows_and_only_under_the_same_mixture(tmp_path, tok):
+    cfg = stream_cfg(lettered_parts(tmp_path, {"long": 0.6, "short": 0.4}, n=2000), shuffle_rows=16)
+    data = prepare_data(cfg, tok)
     straight = data.training_rows(64, seed=1)
     reference = [straight.step_rows(step, 6) for step in range(10)]
     first = data.training_rows(64, seed=1)
@@ -116,6 +117,21 @@ def test_the_shares_read_resume_with_the_rows(tmp_path, tok):
     for step in range(5, 10):
         assert torch.equal(resumed.step_rows(step, 6), reference[step])
     assert resumed.mixture_read() == straight.mixture_read()
+
+    other = prepare_data(cfg | {"length_sample_documents": 50}, tok)  # another measurement: other probabilities
+    with pytest.raises(RuntimeError, match="not the one its checkpoint was read with"):
+        other.training_rows(64, seed=1).load_state_dict(json.loads(json.dumps(first.state_dict())))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"length_sample_documents": 0}, "data.length_sample_documents: each part's mean document length"),
+    ({"length_sample_documents": 2.5}, "data.length_sample_documents"),
+    ({"missing_parts": None}, "data.missing_parts"),
+])
+def test_mixture_settings_errors_name_the_field(tmp_path, changes, message):
+    parts = lettered_parts(tmp_path, {"long": 1.0}, n=10)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_data_config(stream_cfg(parts, **changes))
 
 
 # ---------------------------------------------------------------------------------------- parts without access

@@ -264,9 +264,18 @@ class TrainStream:
         return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer),
                 "buffer_sources": [list(run) for run in self.buffer_sources],
                 "tokens_by_source": dict(self.tokens_by_source),
-                "documents_read": self.documents_read, "skipped_head": self._skipped_head}
+                "documents_read": self.documents_read, "skipped_head": self._skipped_head,
+                "mixture": self._mixture_identity()}
+
+    def _mixture_identity(self) -> dict:
+        return {"parts": self.mixture.names, "document_probabilities": self.mixture.probabilities}
 
     def _load_raw_state(self, state: dict) -> None:
+        # the same position under other probabilities (a part's head changed on the hub, another tokenizer, a
+        # part dropped or back) would read other rows than the interrupted run: say so instead
+        if state["mixture"] != self._mixture_identity():
+            raise RuntimeError(f"data: this stream's mixture {self._mixture_identity()} is not the one its "
+                               f"checkpoint was read with {state['mixture']}; it cannot resume those rows")
         self.dataset.load_state_dict(state["dataset"])
         self.buffer = list(state["buffer"])
         self.buffer_sources = [list(run) for run in state["buffer_sources"]]
