@@ -155,8 +155,9 @@ def aggregate(metrics: dict[str, dict], n_docs: dict[str, int], cfg: Commonsense
     return out
 
 
-def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[dict]]:
-    """Run the suite on an lm-eval LM; returns (record scores incl. `limit`, metadata, per-document rows)."""
+def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[dict]] | None:
+    """Run the suite on an lm-eval LM; returns (record scores incl. `limit`, metadata, per-document rows), or None
+    on a rank other than 0 of a multi-process evaluation."""
     subjects = cfg.subjects  # unknown subjects / task names fail before any data is touched
     for col in cfg.tasks:
         task_names(col, False, subjects)
@@ -167,6 +168,8 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[d
         limits.update({name: lim for name in task_names(col, cfg.offline, subjects)})
     run = run_tasks(lm, list(limits), include_path=include, include_defaults=not cfg.offline,
                     limits=limits, sample=cfg.sample, seed=cfg.seed)
+    if run is None:  # another rank of a multi-process evaluation: rank 0 holds the results
+        return None
     scores = aggregate(run.metrics, run.n_docs, cfg)
     scores["limit"] = cfg.limit
     meta = {

@@ -6,6 +6,13 @@ Two changes to HFLM, both for generation tasks only:
 - every `generate` call gets a cache built here (latent / quantized latent for MLA models,
   Dynamic / Quantized for the original), whose bytes are measured after the call.
 Loglikelihood requests go through HFLM unchanged.
+
+Under several processes (torch.distributed initialised: torchrun, accelerate launch) every process holds its own
+copy of the model on its own device and takes its share of each task's documents: lm-eval's evaluator splits
+them by `rank` / `world_size` and gathers the results onto rank 0. HFLM sets both to one process for a model
+passed as an object, so they are set here, with the collectives lm-eval asks of them, on `process_group` when
+given (the runner's long-timeout gloo group: ranks whose shares end minutes apart wait for each other there,
+not in a training collective's short timeout).
 """
 
 from __future__ import annotations
@@ -29,21 +36,89 @@ def middle_truncate(ids, max_len: int):
     return list(ids[:head]) + list(ids[len(ids) - tail:])
 
 
+def process_rank_and_count() -> tuple[int, int]:
+    """(this process's rank, the number of processes) of the launch; (0, 1) without torch.distributed."""
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized():
+        return td.get_rank(), td.get_world_size()
+    return 0, 1
+
+
 class EvalLM(HFLM):
-    """HFLM over `model`/`tokenizer` objects; `window` is the max sequence length (prompt + generation)."""
+    """HFLM over `model`/`tokenizer` objects; `window` is the max sequence length (prompt + generation).
+    `placement` (evaluation/placement.py): puts the model on its device in the suites' dtype (None: as it is).
+    `data_parallel`: under several processes, this one evaluates its share (False: all of it, alone);
+    `process_group`: the group of the evaluation's collectives (None: the default one)."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 1, window: int | None = None,
-                 kv_quant: KVQuant | None = None, middle_truncation: bool = True):
+                 kv_quant: KVQuant | None = None, middle_truncation: bool = True, placement=None,
+                 data_parallel: bool = True, process_group=None):
         if tokenizer.pad_token_id is None:  # batched generation pads on the left
             tokenizer.pad_token = tokenizer.eos_token
+        if placement is not None:
+            placement.place(model, "suites")
         # backend given: lm-eval's auto-detection does not know the registered `mha2mla` model type
         # log-softmax in fp32: a bf16 model's log-likelihoods would otherwise be rounded to bf16 as well
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=window,
                          device=str(model.device), backend="causal", softmax_dtype=torch.float32)
+        self._rank, self._world_size = process_rank_and_count() if data_parallel else (0, 1)
+        self.process_group = process_group
         self.kv_quant = kv_quant
         self.middle_truncation = middle_truncation
         self.kv_meter = CacheMeter()
         self.truncated_prompts = 0
+        self.requests_served = 0  # by this process (lm-eval's padding requests for even ranks included)
+
+    # ---- the collectives lm-eval's evaluator and HFLM use when world_size > 1 (HFLM's own need an Accelerator).
+    # They carry a few counts and the logged samples: objects through `process_group`, which may be gloo (CPU)
+    def all_gather(self, tensor):
+        """lm-eval's request counts of every process, concatenated (as accelerate's gather)."""
+        if self.world_size <= 1:
+            return tensor
+        parts = self.per_rank((tensor if tensor.dim() else tensor[None]).cpu())
+        return torch.cat(parts).to(tensor.device)
+
+    def gather_object(self, obj, dst=0):
+        if self.world_size <= 1:
+            return [obj]
+        import torch.distributed as td
+
+        every = [None] * self.world_size if self.rank == dst else None
+        td.gather_object(obj, every, dst=dst, group=self.process_group)
+        return every
+
+    def barrier(self):
+        if self.world_size > 1:
+            import torch.distributed as td
+
+            td.barrier(group=self.process_group)
+
+    def per_rank(self, value) -> list:
+        """`value` of every process, in rank order (collective)."""
+        if self.world_size <= 1:
+            return [value]
+        import torch.distributed as td
+
+        every = [None] * self.world_size
+        td.all_gather_object(every, value, group=self.process_group)
+        return every
+
+    def sum_over_ranks(self, *counts):
+        """Each of `counts` summed over the processes (each process's own on one process)."""
+        return tuple(sum(column) for column in zip(*self.per_rank(list(counts))))
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self.requests_served += len(requests)
+        return super().loglikelihood(requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        self.requests_served += len(requests)
+        return super().loglikelihood_rolling(requests, disable_tqdm)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        self.requests_served += len(requests)
+        return super().generate_until(requests, disable_tqdm)
 
     def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
         if not (self.middle_truncation and left_truncate_len):

@@ -207,14 +207,17 @@ def task_folder(tokenizer, cfg: LongContextConfig, texts=None) -> tuple[Path, di
 
 
 def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int | None = None,
-                          texts=None) -> tuple[dict, dict, dict, list[dict]]:
-    """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows)."""
+                          texts=None) -> tuple[dict, dict, dict, list[dict]] | None:
+    """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows);
+    None on a rank other than 0 of a multi-process evaluation."""
     longest = max((*cfg.lengths, *cfg.ppl_lengths), default=0)
     window = window or lm.max_length
     if longest > window:
         raise ValueError(f"long-context length {longest} exceeds the evaluation window {window}")
     folder, passkey, ppl = task_folder(tokenizer, cfg, texts)
     run = run_tasks(lm, [*passkey.values(), *ppl.values()], include_path=folder, include_defaults=False)
+    if run is None:  # another rank of a multi-process evaluation: rank 0 holds the results
+        return None
     scores = {f"passkey@{L}": run.metrics[t]["acc"] for L, t in passkey.items()}
     if scores:
         scores["avg"] = sum(scores.values()) / len(scores)

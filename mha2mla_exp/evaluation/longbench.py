@@ -36,7 +36,7 @@ class LongBenchConfig:
     limit: int | None = None  # docs per subset (None: all)
     sample: str = "random"
     seed: int = 1234
-    batch_size: int = 1
+    batch_size: int = 8  # prompts generated together, left-padded (tests/test_eval_ranks.py: equal to one at a time)
     official_postprocess: bool = True
 
     def __post_init__(self):
@@ -123,13 +123,19 @@ def check(cfg: LongBenchConfig) -> None:
     _lm_eval_metrics()
 
 
-def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]]:
-    """Returns (scores per subset + avg, metadata, per-document rows)."""
+def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]] | None:
+    """Returns (scores per subset + avg, metadata, per-document rows); None on a rank other than 0 of a
+    multi-process evaluation (each rank generates for its share of the documents)."""
     check(cfg)
     folder = task_folder(cfg)
     names = {s: PREFIX + _safe(s) for s in cfg.subsets}
     run = run_tasks(lm, list(names.values()), include_path=folder, include_defaults=False,
                     limits={n: cfg.limit for n in names.values()}, sample=cfg.sample, seed=cfg.seed)
+    truncated = getattr(lm, "truncated_prompts", None)
+    if truncated is not None and hasattr(lm, "sum_over_ranks"):  # every rank cut its own prompts
+        (truncated,) = lm.sum_over_ranks(truncated)
+    if run is None:
+        return None
     scores = {s: run.metrics[n]["score"] for s, n in names.items()}
     scores["avg"] = sum(scores[s] for s in cfg.subsets) / len(cfg.subsets)
     scores["limit"] = cfg.limit  # as in the commonsense block: the record states what ran
@@ -137,7 +143,7 @@ def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]
             "n_docs": {s: run.n_docs[n] for s, n in names.items()},
             "data": cfg.data_dir or "hub (lm-eval's Xnhyacinth/LongBench)",
             "window": getattr(lm, "max_length", None),
-            "truncated_prompts": getattr(lm, "truncated_prompts", None),
+            "truncated_prompts": truncated,
             "official_postprocess": cfg.official_postprocess, "task_dir": str(folder)}
     subset_of = {n: s for s, n in names.items()}
     rows = [{"suite": "longbench", "column": subset_of[row["task"]], **row} for row in run.rows]

@@ -10,7 +10,12 @@ results are written to `samples_path` when given (`samples.py`).
 `dtype` (null: the model's own) is the precision the lm-eval suites run in: the model is cast to it in
 place after the held-out perplexity (which stays in the model's dtype, like the in-training probe), and
 log-softmax runs in fp32 either way. The record's `meta.dtype` and `meta.perplexity_dtype` state what ran.
-(The runner always passes a dtype: `eval.dtype` resolved, see runner.config.resolve_eval_dtype.)
+(The runner always passes a dtype: `eval.dtype` resolved, see runner.config.resolve_eval_dtype.) Device and
+casts are the `placement`'s (placement.py: the same for every row; the runner passes the run's own).
+
+Under several processes every one calls `run_evaluation`: each computes the held-out perplexity (so that all
+enter the suites together) and its share of every lm-eval suite; the suites' results, the per-document rows,
+the cache bytes and `meta.ranks` are gathered onto rank 0, whose return value is the record's block.
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ def held_out_sample(rows, documents, p: Mapping) -> tuple[object, dict]:
 
 def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None, kv_quant=None,
                    window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None,
-                   held_out_documents: torch.Tensor | None = None) -> dict:
+                   held_out_documents: torch.Tensor | None = None, placement=None, process_group=None) -> dict:
     """Evaluate an in-memory causal LM (original or MLA); returns the run record's `eval` block.
 
     held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity; held_out_documents:
@@ -127,24 +132,31 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
     samples_path: where the per-document results go (gzipped JSON lines); None: not written.
     extra_held_out: {name: rows or (rows, documents)} scored like `held_out`, as `perplexity["heldout:<name>"]`.
     eval_cfg's `dtype` casts the model in place (see the module docstring).
+    placement: an `EvalPlacement` (None: the model's device and dtype, cast to eval_cfg's `dtype` for the suites).
+    process_group: the group of the suites' collectives under several processes (None: the default one).
     """
     from .lm import EvalLM
+    from .placement import EvalPlacement
 
     cfg = parse_eval_config(eval_cfg)
     kv_quant = KVQuant.from_cfg(kv_quant)
     meter = CacheMeter()
+    if placement is None:
+        placement = EvalPlacement.decide(model.device, suites_dtype=cfg["dtype"], model_dtype=model.dtype)
+    placement.place(model, "weights")
     model.eval()
+    lms = []  # one EvalLM per suite; the last does the closing collectives
     out: dict = {"perplexity": {}, "meta": {"kv_quant": kv_quant.to_dict() if kv_quant else None, "window": window,
                                             "dtype": _dtype_name(model.dtype)}}
     timings = out["meta"]["seconds"] = {}
     rows: list[dict] = []
 
     def lm_for(batch_size: int):
-        if cfg["dtype"] is not None and model.dtype != cfg["dtype"]:
-            model.to(cfg["dtype"])
+        lm = EvalLM(model, tokenizer, batch_size=batch_size, window=window, kv_quant=kv_quant, placement=placement,
+                    process_group=process_group)
         out["meta"]["dtype"] = _dtype_name(model.dtype)
-        lm = EvalLM(model, tokenizer, batch_size=batch_size, window=window, kv_quant=kv_quant)
         lm.kv_meter = meter  # one meter across suites
+        lms.append(lm)
         return lm
 
     p = cfg["perplexity"]
@@ -172,28 +184,39 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
         from .commonsense import evaluate_commonsense
 
         t = time.perf_counter()
-        out["commonsense"], out["meta"]["commonsense"], suite_rows = evaluate_commonsense(
-            lm_for(cfg["commonsense"].batch_size), cfg["commonsense"])
-        rows += suite_rows
+        result = evaluate_commonsense(lm_for(cfg["commonsense"].batch_size), cfg["commonsense"])
+        if result is not None:  # None: another rank's share, gathered onto rank 0
+            out["commonsense"], out["meta"]["commonsense"], suite_rows = result
+            rows += suite_rows
         timings["commonsense"] = round(time.perf_counter() - t, 2)
     if cfg["long_context"] is not None:
         from .long_context import evaluate_long_context
 
         t = time.perf_counter()
         lc = cfg["long_context"]
-        out["long_context"], ppl, out["meta"]["long_context"], suite_rows = evaluate_long_context(
-            lm_for(lc.batch_size), tokenizer, lc, window=window)
-        out["perplexity"].update(ppl)
-        rows += suite_rows
+        result = evaluate_long_context(lm_for(lc.batch_size), tokenizer, lc, window=window)
+        if result is not None:
+            out["long_context"], ppl, out["meta"]["long_context"], suite_rows = result
+            out["perplexity"].update(ppl)
+            rows += suite_rows
         timings["long_context"] = round(time.perf_counter() - t, 2)
     if cfg["longbench"] is not None:
         from .longbench import evaluate_longbench
 
         t = time.perf_counter()
-        out["longbench"], out["meta"]["longbench"], suite_rows = evaluate_longbench(
-            lm_for(cfg["longbench"].batch_size), cfg["longbench"])
-        rows += suite_rows
+        result = evaluate_longbench(lm_for(cfg["longbench"].batch_size), cfg["longbench"])
+        if result is not None:
+            out["longbench"], out["meta"]["longbench"], suite_rows = result
+            rows += suite_rows
         timings["longbench"] = round(time.perf_counter() - t, 2)
+    shared = lms[-1] if lms and lms[-1].world_size > 1 else None
+    if shared is not None:  # every rank measured the caches of its own generate calls
+        meter.calls, meter.bytes, meter.token_slots = shared.sum_over_ranks(meter.calls, meter.bytes,
+                                                                            meter.token_slots)
+        out["meta"]["ranks"] = {"processes": shared.world_size,
+                                "requests": shared.per_rank(sum(lm.requests_served for lm in lms))}
+        if shared.rank != 0:
+            return out  # this rank's share is in rank 0's block; it writes nothing
     out["kv_cache"] = kv_record(model, kv_quant, meter) if meter.calls else {
         "note": "no generation task ran: loglikelihood tasks (commonsense, perplexity) use no KV cache"}
     if samples_path is not None and rows:

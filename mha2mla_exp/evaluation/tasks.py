@@ -141,9 +141,11 @@ class TaskRun:
 
 
 def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults: bool = True,
-              limits: dict[str, int | None] | None = None, sample: str = "random", seed: int = 1234) -> TaskRun:
+              limits: dict[str, int | None] | None = None, sample: str = "random", seed: int = 1234) -> TaskRun | None:
     """Evaluate leaf tasks 0-shot with lm-eval; `limits[task]` docs each (None: all), chosen by `sample`.
-    Per-document results are always logged (`TaskRun.samples`, reduced to `TaskRun.rows`)."""
+    Per-document results are always logged (`TaskRun.samples`, reduced to `TaskRun.rows`), in document order.
+    Under several processes (`lm.world_size` > 1) each evaluates its share and rank 0 gets the whole run; the
+    other ranks get None."""
     import lm_eval
 
     from .samples import rows_from_lm_eval
@@ -166,13 +168,22 @@ def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults:
             model=lm, tasks=list(loaded.values()), task_manager=tm, num_fewshot=0,
             samples=samples if use_samples else None, bootstrap_iters=0, log_samples=True,
         )
+    if out is None:  # not rank 0 of a multi-process evaluation: lm-eval gathered this rank's share onto rank 0
+        return None
     metrics = {}
     for name in loaded:
         raw = out["results"][name]
         metrics[name] = {k.split(",")[0]: v for k, v in raw.items()
                          if "," in k and not k.split(",")[0].endswith("_stderr")}
     n_docs = {name: int(out["n-samples"][name]["effective"]) for name in loaded}
-    logged = out.get("samples", {})
+    logged = {name: _in_document_order(samples) for name, samples in out.get("samples", {}).items()}
     rows = [row for name, task in loaded.items() for row in rows_from_lm_eval(name, task, logged.get(name, []))]
     return TaskRun(metrics=metrics, n_docs=n_docs, n_total=n_total, samples=logged,
                    indices={k: (v if use_samples else None) for k, v in samples.items()}, rows=rows)
+
+
+def _in_document_order(logged: list[dict]) -> list[dict]:
+    """lm-eval's logged samples of one task by filter, then document: the order one process logs them in (several
+    processes' shares arrive one rank after another)."""
+    filters = {f: i for i, f in enumerate(dict.fromkeys(s.get("filter") for s in logged))}
+    return sorted(logged, key=lambda s: (filters[s.get("filter")], s["doc_id"]))

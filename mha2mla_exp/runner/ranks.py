@@ -1,12 +1,14 @@
-"""How the processes of one launch (torchrun / accelerate launch / SLURM tasks) stay in step around the work only
-the main process does.
+"""How the processes of one launch (torchrun / accelerate launch / SLURM tasks) stay in step around the work
+whose length differs between them.
 
-The main process alone evaluates (lm-eval and LongBench hold one model). In a multirun every process walks the
-same cells, so without a wait the others would enter the next cell and block in its first collective while
-the main process is still evaluating, and a collective times out (NCCL: 10 minutes) long before
-`commonsense_full` or LongBench ends. They wait instead at a barrier of their own: a gloo group whose timeout
-is `distributed.eval_wait_s`, so the training collectives keep the short `distributed.timeout_s` that catches
-a real hang.
+Every process evaluates: each holds the model on its own device and lm-eval gives each its share of the
+documents (evaluation/lm.py). The shares do not end together (LongBench's documents differ in length by tens of
+thousands of tokens), and the main process alone writes the record after them; in a multirun every process
+walks the same cells, so a process that has finished must not wait in a collective that times out (NCCL: 10
+minutes) before the slowest share ends. Those waits therefore go through a gloo group of their own whose timeout
+is `distributed.eval_wait_s` (`long_wait_group`): the evaluation's few collectives and the barrier at the end of
+each cell (`wait_for_main_process`), so the training collectives keep the short `distributed.timeout_s` that
+catches a real hang.
 """
 
 from __future__ import annotations
@@ -57,17 +59,28 @@ def shared_bf16_verdict(dist: PartialState):
 _WAIT_GROUPS: dict[float, object] = {}
 
 
-def wait_for_main_process(dist: PartialState, timeout_s: float) -> None:
-    """Every process waits here until the main one arrives (after its evaluation), for up to `timeout_s`."""
+def long_wait_group(dist: PartialState, timeout_s: float):
+    """A gloo group whose collectives wait up to `timeout_s` (None on one process). Creating it is itself
+    collective: every process calls this at the same point (the first evaluation or the first cell's end)."""
     if dist.num_processes <= 1:
+        return None
+    import torch.distributed as td
+
+    if timeout_s not in _WAIT_GROUPS:
+        _WAIT_GROUPS[timeout_s] = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _WAIT_GROUPS[timeout_s]
+
+
+def wait_for_main_process(dist: PartialState, timeout_s: float) -> None:
+    """Every process waits here until the main one arrives (after the record is written), for up to `timeout_s`."""
+    group = long_wait_group(dist, timeout_s)
+    if group is None:
         return
     import torch.distributed as td
 
-    if timeout_s not in _WAIT_GROUPS:  # new_group is itself collective: every process creates it at the same call
-        _WAIT_GROUPS[timeout_s] = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     if not dist.is_main_process:
-        log.info("waiting up to %.0f s for the main process's evaluation", timeout_s)
-    td.barrier(group=_WAIT_GROUPS[timeout_s])
+        log.info("waiting up to %.0f s for the main process", timeout_s)
+    td.barrier(group=group)
 
 
 def eval_wait_s(cfg) -> float:

@@ -26,19 +26,21 @@ def load_tokenizer(cfg: DictConfig):
     return load(cfg.model)
 
 
+def placement(cfg: DictConfig, plan: RunPlan, device: torch.device):
+    """Where and in what dtype every model this run evaluates runs, whatever made it (evaluation/placement.py)."""
+    from ..evaluation.placement import EvalPlacement
+
+    return EvalPlacement.decide(device, suites_dtype=plan.eval_dtype, model_dtype=cfg.model.get("dtype", "auto"))
+
+
 def load(cfg: DictConfig, plan: RunPlan, device: torch.device):
-    """(model, tokenizer) from a hub id, a local folder or an offline asset. A run that converts or trains
-    loads fp32 (the SVD and the master weights need it) unless model.dtype says otherwise; an evaluation of
-    an unconverted, untrained model loads in the evaluation dtype."""
+    """(model, tokenizer) from a hub id, a local folder or an offline asset, in the placement's weights dtype:
+    fp32 (the SVD and the master weights need it) unless model.dtype says otherwise, the untouched original
+    included, so that every row's held-out perplexity runs in one precision and every row is cast to the
+    suites' dtype the same way."""
     from ..models import load_model
 
-    dtype = cfg.model.get("dtype", "auto")
-    if dtype == "auto":
-        # bf16 weights only where nothing is converted or trained and the device is a GPU: on CPU the held-out
-        # perplexity of every variant is measured in fp32, whatever dtype the suites run in
-        untouched = plan.spec is None and not plan.trains
-        dtype = plan.eval_dtype if untouched and plan.device_type == "cuda" else "float32"
-    return load_model(cfg.model, device=device, dtype=dtype)
+    return load_model(cfg.model, device=device, dtype=placement(cfg, plan, device).weights_dtype)
 
 
 def load_trained(folder, device: torch.device):
@@ -191,10 +193,14 @@ def also_held_out(data, train_data) -> dict[str, tuple[torch.Tensor, torch.Tenso
     return {train_data.name: (rows, train_data.held_out_documents(length))}
 
 
-def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None, also=None) -> dict:
+def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=None, also=None, where=None,
+             process_group=None) -> dict:
     """The record's `eval` block: held-out perplexity always, plus the suites `cfg.eval` enables;
     their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE). `also`: {name: rows} of
-    other held-out text scored the same way (`also_held_out`)."""
+    other held-out text scored the same way (`also_held_out`). `where`: the run's `placement` (default: the
+    model's device). Under several processes every one calls this: the lm-eval suites split their documents
+    between them (their collectives on `process_group`), and the main process's return value holds the whole
+    result (the others' hold theirs)."""
     from ..evaluation import run_evaluation
     from ..evaluation.samples import SAMPLES_FILE
 
@@ -206,6 +212,7 @@ def evaluate(cfg: DictConfig, plan: RunPlan, model, tokenizer, data, run_dir=Non
         held_out=data.held_out, held_out_documents=data.held_out_documents(),
         kv_quant=plan.kv_quant, window=cfg.model.get("finetune_length"),
         samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE, extra_held_out=also,
+        placement=where if where is not None else placement(cfg, plan, model.device), process_group=process_group,
     )
     log.info("evaluation took %.1f s", time.perf_counter() - started)
     return result
