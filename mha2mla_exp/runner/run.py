@@ -1,9 +1,11 @@
 """One run, end to end: validate -> data -> (load -> calibrate -> convert -> distill -> fine-tune -> keep) or
 reuse the kept trained model -> measure -> evaluate -> record. Finished runs are skipped, interrupted ones resume.
 
-Rank-aware: under `torchrun` / `accelerate launch` every process validates, loads and trains; only the main
-process writes the record, the training curve and W&B, and evaluates, while the others wait for it
-(`ranks.wait_for_main_process`), so that a multirun's processes enter each cell together.
+Rank-aware: under `torchrun` / `accelerate launch` every process validates, loads, trains and evaluates (each
+its share of the lm-eval suites' documents, on its own device); only the main process writes the record, the
+training curve and W&B, while the others wait for it (`ranks.wait_for_main_process`), so that a multirun's
+processes enter each cell together. Every model evaluated is placed by one `EvalPlacement` (device, dtype per
+stage, TF32; evaluation/placement.py), whatever made it, and a freshly trained one is evaluated as it was kept.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..mla.lowrank import FACTOR_SPLIT
 from ..train import FineTuneDiverged, finetune, remove_checkpoint
 from . import stages
-from .ranks import (SLOW_EVAL_ENV, eval_wait_s, process_state, same_on_every_rank, shared_bf16_verdict,
-                    wait_for_main_process)
+from .ranks import (SLOW_EVAL_ENV, eval_wait_s, long_wait_group, process_state, same_on_every_rank,
+                    shared_bf16_verdict, wait_for_main_process)
 from .config import (ConfigError, RunPlan, describe, describe_conversion, describe_trained, training_data_cfg,
                      validate)
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
@@ -72,6 +74,8 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
 
     main = dist.is_main_process
     trained = trained_model_for(cfg, plan)
+    placement = stages.placement(cfg, plan, dist.device)
+    placement.apply_matmul_precision()  # from here on: calibration, training and perplexity alike
     record = {
         "run_name": run_dir.name,
         "run_dir": str(run_dir),
@@ -94,6 +98,7 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         "kv": None, "train": None, "eval": None,
         "timings": {},
         "machine": machine_info(dist.device, processes=dist.num_processes),
+        "placement": placement.to_record() | {"evaluating_processes": dist.num_processes},
         "notes": list(plan.notes),
     }
     tracker = _Tracker(cfg, run_dir) if main else _Tracker.off()
@@ -103,13 +108,14 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
-        model = _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+        model = placement.place(_model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist,
+                                                      tracker, fail_at_step))
         try:
             if main:
                 if plan.trains and trained.metrics_path.exists():
                     shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
                 write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-                _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also)
+            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also, placement, dist)
         finally:  # also when the evaluation fails: the sweep's next cell starts on every process together
             wait_for_main_process(dist, eval_wait_s(cfg))
         record["status"] = "ok"
@@ -205,7 +211,10 @@ def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) ->
 
 
 def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
-    """The model this run evaluates: converted (untrained runs), or trained and kept, or the kept one reused."""
+    """The model this run evaluates, on every process: converted (untrained runs), or trained and kept, or the
+    kept one reused. A model trained here is evaluated as it was kept (loaded back by every process, as a reuse
+    loads it), so neither where the training left its copy (FSDP: the host, or nowhere but the main process) nor
+    its training dtype decides the evaluation."""
     timings = record["timings"]
     if not plan.trains:
         t = time.perf_counter()
@@ -247,7 +256,9 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
                     "status": "diverged", "trained_hash": plan.trained_hash,
                     "train": {"diverged_at_step": err.step, "loss": err.loss}})
             raise
-    dist.wait_for_everyone()
+    del model  # the training copy: each process loads the kept model instead
+    dist.wait_for_everyone()  # the main process has saved it
+    model, _ = stages.load_trained(trained.model_dir, dist.device)
     return model
 
 
@@ -371,13 +382,19 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
             record["conversion"]["lowrank_factors"] = FACTOR_SPLIT
 
 
-def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also=None) -> None:
+def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also, placement, dist) -> None:
+    """On every process: the KV measurement and held-out perplexity whole (cheap; so that all enter the suites
+    together), the lm-eval suites each on its share of the documents, gathered onto the main process, whose
+    record holds them. The suites' collectives wait on the long-timeout group: shares end minutes apart."""
     t = time.perf_counter()
-    record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the model's own
+    record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the weights' dtype
     record["eval_dtype_reason"] = plan.eval_dtype_reason
     record["kv"] = stages.measure_kv(cfg, plan, model, data)
-    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir, also=also)
-    time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
+    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir if dist.is_main_process else None,
+                                     also=also, where=placement,
+                                     process_group=long_wait_group(dist, eval_wait_s(cfg)))
+    if dist.is_main_process:
+        time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 
