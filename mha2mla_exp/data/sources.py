@@ -9,8 +9,9 @@ A data config (conf/data/*.yaml) names the source:
                     missing_parts: refuse | renormalise   a part this machine cannot read (python-edu
                     without AWS access) refuses the config, or is dropped and the others renormalised
     source: teacher teacher: <model config>  generation: {...}   text the model writes itself (teacher.py)
-Every source but `teacher` yields plain strings in a fixed order; a teacher's samples are token ids already.
-Splitting and tokenizing happen in prepare.py.
+An asset or local source yields plain strings in a fixed order (iter_documents); a hub mixture's parts are
+streamed here (part_stream, hub_mixture) and interleaved by stream.py; a teacher's samples are token ids already.
+Splitting and tokenizing happen in prepare.py (documents begin with BOS where the tokenizer adds it: tokens.py).
 """
 
 from __future__ import annotations
@@ -294,8 +295,8 @@ def corpus_fingerprint(cfg: dict) -> dict:
 
 
 def iter_documents(data_cfg: Any) -> Iterator[str]:
-    """The documents of `data_cfg`, in a fixed order (limits are applied by the caller); a teacher source's
-    are token ids (prepare.document_tokens reads them)."""
+    """The documents of an asset or local `data_cfg`, in a fixed order (limits are applied by the caller); a
+    teacher source's are token ids (prepare.document_tokens reads them), a hub mixture's are streamed (stream.py)."""
     cfg = as_plain_dict(data_cfg, "data")
     if cfg["source"] == "teacher":
         raise ValueError("data.source: a teacher source's documents are token ids; read them with "
@@ -307,9 +308,9 @@ def iter_documents(data_cfg: Any) -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
     elif cfg["source"] == "local":
         yield from read_local(local_files(cfg.get("paths")), cfg.get("text_field") or "text")
-    else:
-        for example in hub_mixture(cfg["mixture"], seed=cfg.get("mixture_seed", 0)):
-            yield example["text"]
+    else:  # its weights are token shares: only the tokenizer turns them into the documents to read
+        raise ValueError("data.source: a hub mixture is read by mha2mla_exp.data.stream (StreamMixture), whose "
+                         "document probabilities come from the tokenizer; use prepare_data")
 
 
 def hub_mixture(mixture: list[dict], seed: int = 0, probabilities: list[float] | None = None):
