@@ -327,3 +327,24 @@ def test_documents_begin_with_bos_where_the_tokenizer_adds_it_as_lm_eval_scores(
 
 def tokenizer_bos_count(stream: list[int], bos: int) -> int:
     return sum(1 for t in stream if t == bos)
+
+
+def test_a_token_cache_written_without_bos_is_never_read_for_a_tokenizer_that_adds_it(tmp_path, tok, monkeypatch):
+    from mha2mla_exp.assets.fetch import CACHE_ENV
+    from mha2mla_exp.data import prepare
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i}"} for i in range(40)])
+    cfg = {"name": "toy-local", "source": "local", "paths": docs, "seq_len": 8, "held_out_fraction": 0.2,
+           "split_seed": 0}
+    llama_like = bos_tokenizer()
+    with monkeypatch.context() as old_code:  # documents without BOS, as before: the same tokenizer fingerprint
+        old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])
+        _, without_bos, _ = prepare.load_or_tokenize(cfg, llama_like, llama_like.eos_token_id)
+    tensors, with_bos, hit = prepare.load_or_tokenize(cfg, llama_like, llama_like.eos_token_id)
+    assert with_bos != without_bos and not hit and tensors["train"][0] == llama_like.bos_token_id
+    # a tokenizer that adds no BOS keeps the key it always had
+    with monkeypatch.context() as old_code:
+        old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])
+        _, before, _ = prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)
+    assert prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)[1:] == (before, True)
