@@ -259,11 +259,14 @@ def test_blobs_are_fetched_concurrently_in_order_and_transient_errors_are_retrie
     assert s3.most_in_flight > 4  # one thread would keep a single fetch in flight
 
 
-def test_a_blob_that_keeps_failing_or_does_not_exist_is_named(fake_s3):
-    s3 = fake_s3(FakeS3({"b0": "x", "b1": "y"}, transient_failures={"b1": 99}))
+def test_a_blob_that_keeps_failing_or_does_not_exist_is_named(fake_s3, monkeypatch):
+    monkeypatch.setattr(sources, "BLOB_WORKERS", 2)
+    ids = [f"b{i}" for i in range(200)]
+    s3 = fake_s3(FakeS3({b: "x" for b in ids}, transient_failures={"b1": 99}))
     with pytest.raises(RuntimeError, match=r"python-edu: blob 'b1' .*failed after 6 attempt\(s\): ConnectionResetError"):
-        sources.fetch_blob_texts(["b0", "b1"])
+        sources.fetch_blob_texts(ids)
     assert s3.calls["b1"] == sources.BLOB_ATTEMPTS
+    assert len(s3.calls) < len(ids)  # the fetches not yet started when it failed were cancelled
     s3 = fake_s3(FakeS3({"b0": "x"}, transient_failures={"b0": 1}, error=NoSuchKey))
     with pytest.raises(RuntimeError, match=r"blob 'b0' \(s3://softwareheritage/content/b0\) failed after 1 attempt"):
         sources.fetch_blob_texts(["b0"])

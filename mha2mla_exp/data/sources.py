@@ -383,9 +383,13 @@ _TRANSIENT_BOTOCORE = {"HTTPClientError", "ResponseStreamingError", "IncompleteR
 
 
 def fetch_blob_texts(blob_ids: list[str]) -> list[str]:
-    """The texts of `blob_ids`, in their order, fetched BLOB_WORKERS at a time."""
-    with ThreadPoolExecutor(max_workers=BLOB_WORKERS, thread_name_prefix="python-edu") as pool:
+    """The texts of `blob_ids`, in their order, fetched BLOB_WORKERS at a time; the first blob that fails for good
+    raises, and the fetches not yet started are cancelled."""
+    pool = ThreadPoolExecutor(max_workers=BLOB_WORKERS, thread_name_prefix="python-edu")
+    try:
         return list(pool.map(software_heritage_text, blob_ids))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 _S3 = None
