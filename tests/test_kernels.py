@@ -37,7 +37,15 @@ CASES = [
     ("fp16", 2, 9, 3, 50, 8, 96, "joint", "float16", False, {"num_splits": 2, "BLOCK_S": 16}),
     ("default-config", 2, 8, 8, 300, 16, 128, "joint", "float32", False, None),
     ("shared-rope-key", 2, 9, 1, 50, 24, 96, "joint", "float32", True, {"num_splits": 2, "BLOCK_S": 16}),  # RoRoPE
+    # the key in chunks and the value columns over several programs (how the 2048-wide row launches)
+    ("key-value-chunks", 2, 9, 3, 50, 8, 96, "joint", "float32", True,
+     {"num_splits": 2, "BLOCK_S": 16, "KEY_CHUNK": 32, "VALUE_CHUNK": 32}),
+    ("key-value-chunks-split", 2, 6, 2, 45, 6, 80, "split", "float32", False,
+     {"num_splits": 3, "BLOCK_S": 16, "KEY_CHUNK": 16, "VALUE_CHUNK": 16}),
+    ("default-config-2048", 1, 4, 2, 40, 8, 2048, "joint", "float32", False, None),
 ]
+# every case again in bf16: bf16 inputs, fp32 accumulation, against the float64 reference of the same inputs
+CASES += [(f"{c[0]}-bf16", *c[1:8], "bfloat16", *c[9:]) for c in CASES if c[8] == "float32"]
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}
 
 
@@ -92,6 +100,8 @@ def test_triton_interpreter_matches_reference(case, interpreted_errors):
 CUDA_CASES = CASES + [
     ("bf16-llama7b-layer", 2, 32, 32, 1000, 16, 512, "joint", "bfloat16", False, None),
     ("bf16-smollm-split-padded", 4, 9, 3, 777, 8, 96, "split", "bfloat16", True, None),
+    ("bf16-latent-2048", 2, 32, 32, 1000, 16, 2048, "joint", "bfloat16", False, None),
+    ("bf16-latent-1024-split-padded", 2, 32, 8, 1000, 16, 2048, "split", "bfloat16", True, None),
 ]
 
 
@@ -115,22 +125,51 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **op
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs triton; on CUDA the native tests compile it")
-def test_kernels_compile_for_hopper_at_the_default_llama_config():
-    """What the interpreter cannot show: the kernels lower to sm_90 code at the Llama-2-7B layer's
-    default launch config (bf16, 16 heads x 512-wide latent per program, no padding)."""
-    from mha2mla_exp.mla.decode_triton import _merge_kernel, _split_kernel, default_config
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_merge_kernel_compiles_for_hopper_at_the_widest_latent():
+    from mha2mla_exp.mla.decode_triton import _merge_kernel
 
-    cfg = default_config(16, 32, 16384, 512, torch.device("cpu"))
-    bf16 = {n: "*bf16" for n in ("QR", "QL", "KR", "LAT")} | {"OPART": "*fp32", "LSE": "*fp32"}
-    split = compile_for_hopper(
-        _split_kernel, bf16,
-        dict(VSTART=None, VEND=None, HAS_ROPE=True, HAS_VALID=False, SAME_KV=True, BLOCK_H=cfg["BLOCK_H"],
-             BLOCK_S=cfg["BLOCK_S"], BLOCK_LK=512, BLOCK_LV=512, BLOCK_R=16, PRECISION="tf32"),
-        floats=("qk_scale",), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     merge = compile_for_hopper(_merge_kernel, {"OPART": "*fp32", "LSE": "*fp32", "OUT": "*bf16"},
-                               dict(BLOCK_SP=32, BLOCK_LV=512), num_warps=4)
-    assert split.asm["cubin"] and merge.asm["cubin"]
+                               dict(BLOCK_SP=128, BLOCK_LV=2048), num_warps=4)
+    assert merge.asm["cubin"]
+
+
+def test_programs_per_sm_follow_registers_threads_and_shared_memory():
+    """H100/H200: 65,536 registers per SM, granted per warp in units of 256."""
+    from mha2mla_exp.mla.decode_triton import blocks_per_sm
+
+    assert blocks_per_sm(254, 8) == 1  # the old 512-wide config: 254 x 256 threads leaves room for one
+    assert blocks_per_sm(128, 8) == 2
+    assert blocks_per_sm(100, 4) == 4  # 104 registers x 32 lanes = 3,328, rounded up to 3,584 a warp
+    assert blocks_per_sm(32, 4) == 16  # then 64 warps an SM bound it
+    assert blocks_per_sm(64, 8, shared_bytes=100_000) == 2  # 228 KiB of shared memory an SM
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("slices", ["one_slice", "two_slices"])
+@pytest.mark.parametrize("width", [128, 256, 512, 1024, 2048])
+def test_launch_table_compiles_for_hopper_without_spills_at_the_occupancy_it_assumes(width, slices):
+    """Each launch-table row, compiled for sm_90 as it launches (bf16, with and without padding): no
+    register spills, no more registers or shared bytes than the table says, and as many programs per SM
+    as the split count assumes (the table's numbers are the compiled ones with the bundled ptxas; another
+    ptxas may move them a little, which is fine while the programs per SM stay the same). The previous
+    defaults failed this: 254 registers x 256 threads at latent 512 (one program an SM where the split
+    count assumed two) and 1,608 spilled bytes at latent 2,048."""
+    from mha2mla_exp.mla.decode_triton import LAUNCH_TABLE, blocks_per_sm, default_config
+    from mha2mla_exp.mla.kernels.tune import compile_split_kernel, resources
+
+    row = LAUNCH_TABLE[width]
+    cfg = default_config(16, 32, 16384, width, torch.device("cpu"), slices == "one_slice", sm_count=132)
+    assumed = blocks_per_sm(row["registers"][slices], cfg["num_warps"], row["shared_bytes"][slices])
+    used = [resources(compile_split_kernel(cfg, width, width, 16, "bf16", slices == "one_slice", padded))
+            for padded in (False, True)]
+    assert all(u["spill_bytes"] == 0 for u in used), used
+    assert max(u["registers"] for u in used) <= row["registers"][slices], used
+    assert max(u["shared_bytes"] for u in used) <= row["shared_bytes"][slices], used
+    assert min(blocks_per_sm(u["registers"], cfg["num_warps"], u["shared_bytes"]) for u in used) == assumed
+    value_chunks = 1 if cfg["VALUE_CHUNK"] is None else width // cfg["VALUE_CHUNK"]
+    programs = 16 * -(-32 // cfg["BLOCK_H"]) * value_chunks
+    assert cfg["num_splits"] == min(-(-132 * assumed // programs), 64)  # 64: no split under 256 tokens
 
 
 def naive_decode(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale, valid_start=None, valid_end=None):
@@ -231,6 +270,29 @@ def test_absorbed_decode_equals_attention_over_the_expanded_keys_and_values(rope
     torch.testing.assert_close(model_path, expected, rtol=1e-5, atol=1e-5)
 
 
+def interpret_bf16_dots_as_the_gpu_does():
+    """Triton 3.9's interpreter keeps bf16 as raw uint16 bits and its `tl.dot` multiplies those bits
+    (a 16x16 bf16 dot comes out ~1e10 off). Patch the interpreter, not the kernel: widen bf16 operands to
+    fp32 first, which is what the tensor cores compute (exact bf16 products, fp32 accumulation)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_widening_bf16
+
+
 if __name__ == "__main__":  # the interpreted run: TRITON_INTERPRET=1 is set by the fixture above
+    interpret_bf16_dots_as_the_gpu_does()
     torch.manual_seed(0)
     print(json.dumps({case[0]: max_error(case, "cpu") for case in CASES}))

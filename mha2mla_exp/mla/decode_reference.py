@@ -1,8 +1,9 @@
 """The PyTorch reference of one absorbed MLA decode step (bmm, softmax, bmm).
 
 It is the CPU fallback of `absorbed_decode` and the ground truth the Triton kernel is tested
-against. Numerics follow `MLAAttention._absorbed_attention`: products in the input dtype,
-softmax in float32.
+against. Numerics follow the kernel (and `MLAAttention`'s absorbed prefill): the scores and the
+softmax in float32 (the operands upcast; logits rounded to 16 bits would lose what SDPA keeps),
+probabilities times values in the input dtype.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def absorbed_decode_reference(
     """
     b, n_h, _ = q_latent.shape
     n_kv, s = k_rope.shape[1], latent.shape[1]
-    scores = torch.bmm(q_latent, latent[..., k_slice].transpose(1, 2))  # [B, n_h, S]
+    scores = torch.bmm(q_latent.float(), latent[..., k_slice].float().transpose(1, 2))  # [B, n_h, S]
     if q_rope.shape[-1]:
-        rope = torch.matmul(q_rope.view(b, n_kv, n_h // n_kv, -1), k_rope.transpose(-1, -2))
+        rope = torch.matmul(q_rope.float().view(b, n_kv, n_h // n_kv, -1), k_rope.float().transpose(-1, -2))
         scores = scores + rope.view(b, n_h, s)
-    scores = scores.float() * scale
+    scores = scores * scale
     valid = None
     if valid_start is not None or valid_end is not None:
         pos = torch.arange(s, device=latent.device)

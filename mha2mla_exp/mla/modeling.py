@@ -173,49 +173,88 @@ class MLAAttention(nn.Module):
         to the attended latent. The k_up bias adds q_nope.b_k to every score of a query, a constant
         that softmax cancels, so it is dropped."""
         b, n_h, t, _ = q_nope.shape
-        n_kv, g = self.num_kv_heads, self.num_key_value_groups
-        s = latent.shape[-2]
-        c_k, c_v = latent[..., self.k_latent], latent[..., self.v_latent]  # [B, 1, S, L_k|L_v]
-
-        w_uk = self.k_up_proj.weight.view(n_kv, self.nope_dim, self.k_up_proj.in_features)
-        q_latent = torch.einsum("bkgtn,knl->bkgtl", q_nope.reshape(b, n_kv, g, t, self.nope_dim), w_uk)
         if t == 1 and attention_mask is None:  # decode: one fused pass over the cache (Triton on CUDA)
+            q_latent = self._fold_query(q_nope).to(latent.dtype)
             attended = absorbed_decode(q_rope.reshape(b, n_h, self.rope_dim), q_latent.reshape(b, n_h, -1),
                                        k_rope, latent.squeeze(1), self.k_latent, self.v_latent, self.scaling)
+            attended = attended.view(b, n_h, 1, -1)
         else:
-            scores = torch.matmul(q_latent.reshape(b, 1, n_h * t, -1), c_k.transpose(-1, -2))
-            if self.rope_dim:
-                rope_q = q_rope.reshape(b, self.rope_heads, self.rope_groups * t, self.rope_dim)
-                rope_scores = torch.matmul(rope_q, k_rope.transpose(-1, -2))
-                scores = scores + rope_scores.reshape(b, 1, n_h * t, s)
-            scores = (scores * self.scaling).view(b, n_h, t, s)
-            scores = _apply_mask(scores, attention_mask)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(c_v.dtype)
-            attended = torch.matmul(probs.view(b, 1, n_h * t, s), c_v)  # [B, 1, n_h*T, L_v]
+            attended = self._absorbed_prefill(q_rope, q_nope, k_rope, latent, attention_mask)
+        return self._values_from_attended(attended).to(q_nope.dtype)
+
+    def _fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, n_h, T, nope_dim] -> q_nope.W_uk [B, n_h, T, L_k], in q_nope's dtype."""
+        b, n_h, t, _ = q_nope.shape
+        n_kv, g = self.num_kv_heads, self.num_key_value_groups
+        w_uk = self.k_up_proj.weight.to(q_nope.dtype).view(n_kv, self.nope_dim, self.k_up_proj.in_features)
+        q_latent = torch.einsum("bkgtn,knl->bkgtl", q_nope.reshape(b, n_kv, g, t, self.nope_dim), w_uk)
+        return q_latent.reshape(b, n_h, t, -1)
+
+    def _absorbed_prefill(self, q_rope, q_nope, k_rope, latent, attention_mask) -> torch.Tensor:
+        """Attended latent [B, n_h, T, L_v] in fp32 for T query rows (a prefill, or a masked decode step).
+
+        The query rows go in chunks whose fp32 scores and probabilities fit ABSORBED_SCORE_BUDGET_BYTES:
+        the whole [B, n_h, T, S] matrix is never built. Scores, softmax and the attended latent are fp32
+        (the operands upcast), as SDPA and the decode kernel keep their logits: a bf16 model's logits
+        rounded to bf16 before the softmax lose what the expanded path keeps.
+        """
+        b, n_h, t, _ = q_nope.shape
+        s = latent.shape[-2]
+        c = latent.squeeze(1).float()  # [B, S, L]: O(S) memory, once per call
+        c_k_t, c_v = c[..., self.k_latent].transpose(1, 2), c[..., self.v_latent]
+        k_rope_t = k_rope.float().transpose(-1, -2)  # [B, rope_heads, rope_dim, S]
+        mask = attention_mask[..., :s] if isinstance(attention_mask, torch.Tensor) else attention_mask
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise NotImplementedError(f"absorbed MLA attention does not support a {type(mask).__name__} mask")
+        rows = max(1, ABSORBED_SCORE_BUDGET_BYTES // (2 * 4 * b * n_h * s))  # fp32 scores + probabilities
+        chunks = []
+        with torch.autocast(latent.device.type, enabled=False):  # autocast would round the products to 16 bits
+            for t0 in range(0, t, rows):
+                t1 = min(t, t0 + rows)
+                q_latent = self._fold_query(q_nope[:, :, t0:t1].float())  # [B, n_h, tc, L_k]
+                scores = torch.matmul(q_latent.reshape(b, n_h * (t1 - t0), -1), c_k_t).view(b, n_h, t1 - t0, s)
+                if self.rope_dim:  # query heads grouped by the rope key head they read
+                    rope_q = q_rope[:, :, t0:t1].float().reshape(b, self.rope_heads, -1, self.rope_dim)
+                    scores = scores + torch.matmul(rope_q, k_rope_t).view(b, n_h, t1 - t0, s)
+                scores = _mask_query_rows(scores * self.scaling, mask, t0, t)
+                probs = torch.softmax(scores, dim=-1)
+                chunks.append(torch.matmul(probs.view(b, n_h * (t1 - t0), s), c_v).view(b, n_h, t1 - t0, -1))
+        return torch.cat(chunks, dim=2)
+
+    def _values_from_attended(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attended latent [B, n_h, T, L_v] -> attention output [B, T, n_h, d_h] (W_uv, in the latent's dtype)."""
+        b, n_h, t, _ = attended.shape
+        n_kv, g = self.num_kv_heads, self.num_key_value_groups
         if self.v_up_proj is None:  # svd='none': the attended latent holds each KV head's values as they are
             out = attended.view(b, n_kv, g, t, n_kv, self.head_dim).diagonal(dim1=1, dim2=4).permute(0, 4, 1, 2, 3)
             return out.reshape(b, n_h, t, self.head_dim).transpose(1, 2)
-        w_uv = self.v_up_proj.weight.view(n_kv, self.head_dim, self.v_up_proj.in_features)
+        w_uv = self.v_up_proj.weight.to(attended.dtype).view(n_kv, self.head_dim, self.v_up_proj.in_features)
         out = torch.einsum("bkgtl,kdl->bkgtd", attended.view(b, n_kv, g, t, -1), w_uv)
         if self.v_up_proj.bias is not None:
-            out = out + self.v_up_proj.bias.view(1, n_kv, 1, 1, self.head_dim)
+            out = out + self.v_up_proj.bias.to(attended.dtype).view(1, n_kv, 1, 1, self.head_dim)
         return out.reshape(b, n_h, t, self.head_dim).transpose(1, 2)
 
 
-def _apply_mask(scores: torch.Tensor, mask) -> torch.Tensor:
-    """Apply a transformers attention mask (None, boolean 'may attend', or additive float)."""
-    t, s = scores.shape[-2:]
-    # the dtype's min, not -inf: a fully masked row (a padding query) must not turn into NaN,
-    # which would reach the cached latent of that position and poison every later 0 * NaN
+# The absorbed prefill's fp32 scores (and probabilities) per chunk of query rows stay under this many bytes.
+ABSORBED_SCORE_BUDGET_BYTES = 512 * 2**20
+
+
+def _mask_query_rows(scores: torch.Tensor, mask, row_start: int, rows_total: int) -> torch.Tensor:
+    """Mask fp32 scores [B, n_h, tc, S] of the query rows [row_start, row_start + tc) out of rows_total.
+
+    `mask` is a transformers attention mask (None: causal; boolean 'may attend'; or additive float), with
+    one row per query or one row for all. Masked scores get fp32's min, not -inf: a fully masked row (a
+    padding query) must not turn into NaN, which would reach the cached latent of that position and
+    poison every later 0 * NaN.
+    """
+    tc, s = scores.shape[-2:]
     masked = torch.finfo(scores.dtype).min
-    if mask is None:
-        if t == 1:
-            return scores
-        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(diagonal=s - t)
+    if mask is None:  # query row i sits at key position i + (S - T): it sees that key and those before
+        rows = torch.arange(row_start, row_start + tc, device=scores.device)[:, None]
+        causal = torch.arange(s, device=scores.device)[None, :] <= rows + (s - rows_total)
         return scores.masked_fill(~causal, masked)
-    if not isinstance(mask, torch.Tensor):
-        raise NotImplementedError(f"absorbed MLA attention does not support a {type(mask).__name__} mask")
-    mask = mask[..., :s]
+    if mask.shape[-2] != 1:
+        mask = mask[..., row_start:row_start + tc, :]
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, masked)
     return scores + mask
