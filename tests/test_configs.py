@@ -191,14 +191,18 @@ def test_paper_share_of_pretraining_tokens():
 
 
 def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_access):
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # train=paper's grad_accum follows the processes: 64 / (16 x 8) = 0
     cfg = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention"])
-    with pytest.raises(ConfigError, match=r"train\.grad_accum: .* 8 processes = 512 rows .* is 64: set train\.grad_accum=0|"
-                                          r"choose micro_batch_size"):
+    with pytest.raises(ConfigError, match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 0 x 8 processes = 0 "
+                                          r"rows .* is 64: choose micro_batch_size x processes dividing 64"):
         validate(cfg)
+    with pytest.raises(ConfigError, match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 256 rows .* is 64: "
+                                          r"set train\.grad_accum=0|choose micro_batch_size"):
+        validate(compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention",
+                              "train.grad_accum=2"]))
     ok = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention",
-                      "train.micro_batch_size=8", "train.grad_accum=1"])
-    assert validate(ok).fine_tune
+                      "train.micro_batch_size=8"])
+    assert ok.train.grad_accum == 1 and validate(ok).fine_tune
 
 
 def test_an_unsupported_architecture_fails_before_loading(tmp_path):

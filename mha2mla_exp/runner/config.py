@@ -296,7 +296,7 @@ def _device_type(device: str) -> str:
 
 def _check_train(cfg: DictConfig) -> Schedule:
     t = cfg.train
-    for key in ("seq_len", "micro_batch_size", "grad_accum"):
+    for key in ("seq_len", "micro_batch_size"):
         if int(t[key]) <= 0:
             raise ConfigError(f"train.{key}: must be positive, got {t[key]}")
     if t.pretrain_share_pct is None and int(t.tokens) <= 0:
@@ -310,6 +310,8 @@ def _check_train(cfg: DictConfig) -> Schedule:
         raise ConfigError(f"train.grad_accum: micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x "
                           f"{world} processes = {global_batch_rows(t)} rows per step, but global_batch_rows is "
                           f"{wanted}: {hint}")
+    if int(t.grad_accum) <= 0:  # after the global batch: train=paper derives it, and that check says why it is 0
+        raise ConfigError(f"train.grad_accum: must be positive, got {t.grad_accum}")
     try:
         optimizer_impl(t)
     except ValueError as err:
