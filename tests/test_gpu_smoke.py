@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from mha2mla_exp.bench import gpu_smoke
+from mha2mla_exp.runner import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +107,18 @@ def test_a_stage_past_its_time_is_recorded_as_timed_out(tmp_path):
     assert result.returncode == 1
     record = stage(tmp_path, "train_precision")
     assert record["status"] == "timeout", record
+
+
+@pytest.mark.parametrize("name", list(gpu_smoke.runner_runs(gpu_smoke.GPU)))
+def test_the_gpu_plans_runs_are_valid_runner_configs(name, tmp_path):
+    # what only a GPU runs is checked here before it costs device time: the overrides compose and validate
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*gpu_smoke.runner_runs(gpu_smoke.GPU)[name],
+                                                       f"results_dir={tmp_path}"])
+    plan = validate(cfg)
+    assert plan.fine_tune == (name != "original") and plan.eval_dtype_reason
+    if cfg.eval.long_context.enabled:  # checked only at evaluation time (evaluation/long_context.py), so here
+        lc = cfg.eval.long_context
+        assert max([*lc.lengths, *lc.ppl_lengths]) <= cfg.model.finetune_length
+    if plan.fine_tune:
+        assert plan.schedule.total_steps == 300  # "a few hundred steps"

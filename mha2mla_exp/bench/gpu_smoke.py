@@ -217,8 +217,21 @@ def compare_curves(reference: dict[int, float], other: dict[int, float], rtol: f
     return out
 
 
-def twin_overrides(plan: Plan, precision: str) -> list[str]:
-    return [*COMMON, *plan.model, *plan.train, f"train.precision={precision}"]
+def runner_runs(plan: Plan) -> dict[str, list[str]]:
+    """Every runner run of the smoke by name, as overrides: what the stages launch (and tests validate)."""
+    def twin(precision: str) -> list[str]:
+        return [*COMMON, *plan.model, *plan.train, f"train.precision={precision}"]
+
+    suite = [*plan.long_context, "eval.dtype=auto"]
+    return {
+        "fp32": twin("fp32"),
+        "bf16-autocast": twin("bf16-autocast"),
+        "original": [*COMMON, *plan.model, "variant=original", "train=none", *suite],
+        # the bf16 twin's config: its kept fine-tuned model (<work>/runs/_trained) is reused, not retrained
+        "converted": [*twin("bf16-autocast"), *suite],
+        # the bf16 twin under torchrun with FSDP; a checkpoint mid-run takes the sharded checkpoint's path
+        "fsdp": [*twin("bf16-autocast"), "train.strategy=fsdp", f"train.checkpoint_every={plan.fsdp_checkpoint_every}"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- stages
@@ -307,7 +320,7 @@ def stage_decode_kernel(plan: Plan, args) -> tuple[str, str, dict]:
 def stage_train_precision(plan: Plan, args) -> tuple[str, str, dict]:
     rtol = args.loss_rtol if args.loss_rtol is not None else plan.loss_rtol
     shutil.rmtree(args.work / "runs", ignore_errors=True)  # fresh runs: a finished one would only be found again
-    runs = {precision: runner_stage_run(args, "train_precision", precision, twin_overrides(plan, precision),
+    runs = {precision: runner_stage_run(args, "train_precision", precision, runner_runs(plan)[precision],
                                         args.work / "runs")
             for precision in ("fp32", "bf16-autocast")}
     cmp = compare_curves(losses_of(runs["fp32"][1]), losses_of(runs["bf16-autocast"][1]), rtol)
@@ -316,6 +329,7 @@ def stage_train_precision(plan: Plan, args) -> tuple[str, str, dict]:
         train = record.get("train") or {}
         meas[name] = {"status": record["status"], "device": record["machine"]["device"],
                       "gpu": record["machine"].get("name"), "precision": train.get("precision"),
+                      "tf32": (record.get("placement") or {}).get("tf32"),
                       "steps": train.get("steps"), "tokens": train.get("tokens"),
                       "tokens_per_s": train.get("tokens_per_s"), "mfu": train.get("mfu"),
                       "first_loss": train.get("first_loss"), "final_loss": train.get("final_loss"),
@@ -333,22 +347,18 @@ def stage_train_precision(plan: Plan, args) -> tuple[str, str, dict]:
 def stage_evaluation(plan: Plan, args) -> tuple[str, str, dict]:
     """The original and the converted model (the bf16 twin's kept fine-tune, reused) on the suite."""
     device = "cpu" if plan.dry else "cuda"
-    eval_overrides = [*plan.long_context, "eval.dtype=auto"]
-    rows = {
-        "original": [*COMMON, *plan.model, "variant=original", "train=none", *eval_overrides],
-        # the bf16 twin's config: its kept fine-tuned model (results/runs/_trained) is reused, not retrained
-        "converted": [*twin_overrides(plan, "bf16-autocast"), *eval_overrides],
-    }
     meas = {}
-    for name, overrides in rows.items():
-        record, _ = runner_stage_run(args, "evaluation", name, overrides, args.work / "runs")
+    for name in ("original", "converted"):
+        record, _ = runner_stage_run(args, "evaluation", name, runner_runs(plan)[name], args.work / "runs")
         ev = record.get("eval") or {}
         scores = {"heldout_ppl": ev.get("perplexity", {}).get("heldout"),
                   **{k: v for k, v in (ev.get("long_context") or {}).items() if isinstance(v, (int, float))},
                   **{f"ppl.{k}": v for k, v in ev.get("perplexity", {}).items()
                      if k.startswith("longdoc") and isinstance(v, (int, float))}}
-        meas[name] = {"status": record["status"], "device": record["machine"]["device"],
+        placement = record.get("placement") or {}  # where the runner put the evaluated model (runner/run.py)
+        meas[name] = {"status": record["status"], "device": placement.get("device", record["machine"]["device"]),
                       "eval_dtype": record.get("eval_dtype"), "eval_dtype_reason": record.get("eval_dtype_reason"),
+                      "placement": placement or None,
                       "scores": scores, "seconds": (ev.get("meta") or {}).get("seconds"),
                       "trained_model": record.get("trained_model"), "train_s": (record.get("timings") or {}).get("train_s"),
                       "kv": {k: (record.get("kv") or {}).get(k) for k in ("bytes_per_token_measured", "dtype", "cache")},
@@ -357,7 +367,7 @@ def stage_evaluation(plan: Plan, args) -> tuple[str, str, dict]:
     for name, m in meas.items():
         if m["status"] != "ok":
             problems.append(f"{name}: status {m['status']}")
-        if m["device"] != device:
+        if not str(m["device"]).startswith(device):
             problems.append(f"{name}: ran on {m['device']}, not {device}")
         bad = {k: v for k, v in m["scores"].items() if v is None or not math.isfinite(v)}
         if bad or len(m["scores"]) < 3:
@@ -375,10 +385,8 @@ def stage_fsdp(plan: Plan, args) -> tuple[str, str, dict]:
     # its own results folder: train.strategy is not part of a run's identity, so the twin's folder would hold
     # this run as already done
     shutil.rmtree(args.work / "runs_fsdp", ignore_errors=True)
-    checkpoint_mid_run = f"train.checkpoint_every={plan.fsdp_checkpoint_every}"  # the sharded checkpoint's path
-    record, curve = runner_stage_run(args, "fsdp", "fsdp", [*twin_overrides(plan, "bf16-autocast"),
-                                                            "train.strategy=fsdp", checkpoint_mid_run],
-                                     args.work / "runs_fsdp", torchrun=True)
+    record, curve = runner_stage_run(args, "fsdp", "fsdp", runner_runs(plan)["fsdp"], args.work / "runs_fsdp",
+                                     torchrun=True)
     train = record.get("train") or {}
     meas = {"status": record["status"], "device": record["machine"]["device"], "strategy": train.get("strategy"),
             "processes": train.get("processes"), "precision": (train.get("precision") or {}).get("mode"),
