@@ -160,3 +160,16 @@ def test_the_slurm_stop_margin_covers_the_step_in_flight_and_the_checkpoint(mode
                         sizes.intermediate_size, sizes.vocab_size, sizes.tied_embeddings)
     written = checkpoint_bytes_per_process(parameters=p, processes=plan.gpus, strategy=plan.strategy)
     assert launcher.signal_delay_s >= 60 + written / 100e6
+
+
+def test_a_mixture_part_dropped_for_missing_access_makes_another_model(offline, monkeypatch):
+    """data.missing_parts=renormalise drops python-edu where this machine cannot read it: the run reads other text,
+    so it must not share a trained model (hash) with a run on a machine that reads all five parts."""
+    from mha2mla_exp.data import sources
+
+    overrides = ("model=smollm_135m", "data.missing_parts=renormalise")
+    everywhere = validate(compose_paper(*overrides))
+    monkeypatch.setattr(sources, "part_access_error",
+                        lambda part, where: "no AWS credentials" if part.get("blob_field") else None)
+    without_python_edu = validate(compose_paper(*overrides))
+    assert without_python_edu.trained_hash != everywhere.trained_hash

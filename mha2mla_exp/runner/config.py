@@ -167,6 +167,9 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         cfg.eval.get("dtype"), device_type, bf16_pays=lambda: bf16_pays(shape.hidden_size, intermediate_size(cfg, shape)))
 
     runtime = {"device_type": device_type, "precision": precision.to_record() if precision else None}
+    dropped = _dropped_mixture_parts(cfg)
+    if dropped:  # data.missing_parts=renormalise read other text on this machine: another model
+        runtime["mixture_dropped"] = dropped
     if precision is not None:
         runtime["precision"].pop("reason")  # why auto chose it is a note, not an identity
         runtime["rows_per_step"] = global_batch_rows(cfg.train)
@@ -185,6 +188,18 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         memory=memory, host_memory=host_memory, launch=launch, schedule=schedule, blocked=tuple(blocked or ()),
         refused=tuple(refused or ()),
     )
+
+
+def _dropped_mixture_parts(cfg: DictConfig) -> list[str]:
+    """The hub mixture parts (of the run's data and the fine-tune's own) that `missing_parts: renormalise` drops on
+    this machine: which text a model trains on depends on them, so they are part of its identity."""
+    from ..data.sources import available_parts
+
+    dropped = []
+    for data in (cfg.data, training_data_cfg(cfg)):
+        if data is not None and data.get("source") == "hub":
+            dropped += [part["name"] for part in available_parts(OmegaConf.to_container(data, resolve=True))[1]]
+    return sorted(dropped)
 
 
 def training_data_cfg(cfg: DictConfig):
