@@ -61,7 +61,8 @@ class EvalLM(HFLM):
         # backend given: lm-eval's auto-detection does not know the registered `mha2mla` model type
         # log-softmax in fp32: a bf16 model's log-likelihoods would otherwise be rounded to bf16 as well
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=window,
-                         device=str(model.device), backend="causal", softmax_dtype=torch.float32)
+                         device=str(placement.device if placement is not None else model.device), backend="causal",
+                         softmax_dtype=torch.float32)
         self._rank, self._world_size = process_rank_and_count() if data_parallel else (0, 1)
         self.process_group = process_group
         self.kv_quant = kv_quant
