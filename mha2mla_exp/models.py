@@ -162,7 +162,7 @@ def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtyp
     if source == "random":
         model, tokenizer = build_random_model(cfg, torch_dtype)
     elif source == "hub":
-        model, tokenizer = _load_hub(model_id, cfg.get("revision"), torch_dtype, name)
+        model, tokenizer = _load_hub(model_id, cfg.get("revision"), torch_dtype, name, device)
     else:
         if source == "asset":
             from .assets import model_dir
@@ -170,7 +170,7 @@ def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtyp
             folder = model_dir(model_id)
         else:
             folder = Path(model_id).expanduser()
-        model, tokenizer = _load_folder(folder, torch_dtype)
+        model, tokenizer = _load_folder(folder, torch_dtype, device)
     check_shape(model.config, cfg.get("shape"), name)
     model.to(device).eval()
     log.info("loaded model %r (%s %s) on %s as %s", name, source, model_id, device, torch_dtype)
@@ -224,11 +224,19 @@ def probe_architecture(model_cfg: Any) -> tuple[str | None, list[str]]:
         return None, [f"model.id {model_id!r}: architecture not checked ({first}); unknown until download"]
 
 
-def _load_folder(folder: Path, dtype: torch.dtype):
+def _placement(device: torch.device) -> dict:
+    """from_pretrained's arguments that put the weights on `device` as they are read. transformers 5 always
+    builds the model on the meta device and reads safetensors memory-mapped (`low_cpu_mem_usage` is gone);
+    a device_map then copies each tensor from the mapped file to the GPU, so no process holds a CPU copy of
+    the whole model on the way (several processes on one node each load the original)."""
+    return {} if device.type == "cpu" else {"device_map": str(device)}
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **_placement(device))
     return model, tokenizer
 
 
@@ -241,13 +249,14 @@ def hub_offline() -> bool:
         return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str):
+def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str,
+              device: torch.device = torch.device("cpu")):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         # the tokenizer first: it fails fast, before any multi-GB weight download starts
         tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype, **_placement(device))
     except (OSError, ValueError) as e:
         why = (
             "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold "

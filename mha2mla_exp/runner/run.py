@@ -24,7 +24,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..mla.lowrank import FACTOR_SPLIT
-from ..train import FineTuneDiverged, finetune, remove_checkpoint
+from ..train import FineTuneDiverged, finetune, remove_checkpoint, sharding
+from ..train.recipe import note_peak_rss
 from . import stages
 from .ranks import (SLOW_EVAL_ENV, eval_wait_s, long_wait_group, process_state, same_on_every_rank,
                     shared_bf16_verdict, wait_for_main_process)
@@ -291,26 +292,36 @@ def _kept_info(trained: TrainedModel) -> dict | None:
 def _converted(cfg, plan, tokenizer, data, record, dist):
     """(original, converted) for a run that trains: the conversion is kept under its own identity, so recipes
     that start from the same conversion (a recovery study, a second seed) convert once. `original` is None when
-    nothing needs it (no teacher, no distillation) and the conversion was reused."""
+    nothing needs it (no teacher, no distillation) and the conversion was reused.
+
+    Under FSDP (`train.sharding.shards`) only the main process loads and converts: the others wait for it and
+    build the converted model on the meta device from its config, and receive their shards of its weights when
+    the fine-tune shards it (train/sharding.py), so no other process holds the whole model on the host. A teacher
+    (objective kd) is still loaded whole by every process."""
+    note_peak_rss("before_load")
     timings = record["timings"]
     t = time.perf_counter()
     kept = TrainedModel(cfg.results_dir, describe_conversion(plan, cfg), plan.conversion_hash) \
         if plan.conversion_hash else None
     from ..train.objectives import build_objective
 
-    needs_original = plan.distill or build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
+    needs_teacher = build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
     reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
+    from_main = plan.fine_tune and sharding.shards(cfg.train)  # the weights come from the main process
+    holds_weights = dist.is_main_process or not from_main
+    keeps_original = needs_teacher or (plan.distill and holds_weights)  # the teacher, or distillation's
     original = None
-    if not reuse or needs_original:
+    if (holds_weights and not reuse) or keeps_original:
         original, _ = stages.load(cfg, plan, dist.device)
         record["model"]["params_original"] = stages.count_parameters(original)
     timings["load_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
-    if reuse:
+    model = None
+    if holds_weights and reuse:
         model, _ = stages.load_trained(kept.model_dir, dist.device)
         record["model"]["params_original"] = kept.info()["model"]["params_original"]
         record["reused_conversion"] = str(kept.dir)
-    else:
+    elif holds_weights:
         model = stages.convert(plan, original, stages.calibration_batches(cfg, plan, data),
                                stages.selection_batches(cfg, plan, data))
         if kept is not None and dist.is_main_process:
@@ -319,21 +330,36 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
                                                        "params": stages.count_parameters(model)},
                                             "rope_pairs": model.config.rope_pairs, "status": "ok",
                                             "conversion_hash": plan.conversion_hash})
+    if from_main:
+        _wait_for_the_main_process_to_convert(cfg, dist)
+        config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
+        model = model if holds_weights else sharding.empty_like_main(config)
+    elif not reuse:
         dist.wait_for_everyone()
     timings["convert_s"] = round(time.perf_counter() - t, 3)
-    return (original if needs_original else None), model
+    return (original if keeps_original else None), model
+
+
+def _wait_for_the_main_process_to_convert(cfg, dist) -> None:
+    """The other processes wait while the main one alone loads, converts or distills (FSDP): on the barrier that
+    outlasts the main process's long work (`ranks.wait_for_main_process`), not in a training collective, whose
+    timeout (`distributed.timeout_s`) is meant to catch hangs."""
+    wait_for_main_process(dist, eval_wait_s(cfg))
 
 
 def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     original, model = _converted(cfg, plan, tokenizer, data, record, dist)
     if plan.distill:
         done = trained.dir / "distill.json"
+        from_main = plan.fine_tune and sharding.shards(cfg.train)  # FSDP: the main process distills alone
         if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
             record["distill"] = json.loads(done.read_text())
-        else:
+        elif dist.is_main_process or not from_main:
             record["distill"] = stages.distill(cfg, plan, original, model, data)
             if dist.is_main_process:
                 write_json_atomic(done, record["distill"])
+        if from_main:
+            _wait_for_the_main_process_to_convert(cfg, dist)
         _stage_seconds(record)
     _describe_model(record, plan, model)
 
@@ -354,7 +380,7 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
         model, record["train"] = finetune(
             model, rows, cfg.train, trained.dir, precision=plan.precision, seed=cfg.seed, objective=objective,
             teacher=teacher, pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log,
-            probe=stages.heldout_probe(cfg, data), fail_at_step=fail_at_step,
+            probe=stages.heldout_probe(cfg, data), fail_at_step=fail_at_step, device=dist.device,
         )
         _stage_seconds(record)
         teacher = None

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 DIVERGENCE_FLOOR = 1.0  # nats: below it a rising loss is not called diverged
 KILL_AT_STEP_ENV = "MHA2MLA_KILL_AT_STEP"  # tests only: SIGKILL every process right after that step
+PEAK_RSS_DIR_ENV = "MHA2MLA_PEAK_RSS_DIR"  # tests only: each process writes its peak host memory into this folder
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
@@ -99,8 +100,10 @@ class FineTuneRecipe:
 
     def __init__(self, model, rows, train_cfg, checkpoint_root: Path, *, precision: Precision, seed: int,
                  objective: Objective | dict | None = None, teacher=None, pretrain_tokens: float | None = None,
-                 on_log=None, probe=None, fail_at_step: int | None = None):
+                 on_log=None, probe=None, fail_at_step: int | None = None, device: torch.device | None = None):
         self.model, self.rows, self.cfg = model, rows, train_cfg
+        # where to train: the model's own device unless given (under FSDP the other processes' model is on meta)
+        self.device = device
         self.ckpt = Path(checkpoint_root) / CHECKPOINT_DIR
         self.precision, self.seed, self.pretrain_tokens = precision, seed, pretrain_tokens
         self.objective = objective if isinstance(objective, Objective) else build_objective(objective)
@@ -112,15 +115,15 @@ class FineTuneRecipe:
         self.elapsed_before, self.probe_seconds = 0.0, 0.0
         self.probe_results: dict[int, dict] = {}
         self.resumed_from: int | None = None
-        self.sharded = False  # FSDP: set by setup() where train.strategy=fsdp and there are several processes
+        self.sharded = False  # FSDP: set by setup() where train.strategy=fsdp in a launch with a process group
         self.checkpointed_at: int | None = None
 
     # -------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg, precision = self.cfg, self.precision
         # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
-        on_cpu = next(self.model.parameters()).device.type == "cpu"  # the runner placed it (device=cpu on a GPU host too)
-        self.accelerator = acc = Accelerator(mixed_precision="no", cpu=on_cpu)
+        device = self.device or next(self.model.parameters()).device  # the runner placed it (device=cpu on a GPU host too)
+        self.accelerator = acc = Accelerator(mixed_precision="no", cpu=device.type == "cpu")
         set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
         self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
         if acc.num_processes > 1 and hasattr(self.rows, "read_on_main_process_only"):  # a stream: read it once
@@ -133,9 +136,14 @@ class FineTuneRecipe:
         if cfg.freeze_non_attention:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)
-        self.sharded = cfg.get("strategy", "ddp") == "fsdp" and acc.num_processes > 1
+        self.sharded = sharding.shards(cfg)
         if self.sharded:  # before the optimizer: sharding replaces the parameters
+            # the main process's weights, taken before sharding (the others hold the model on the meta device)
+            main_weights = model.state_dict() if acc.is_main_process else None
             sharding.shard(model, acc.device.type, acc.num_processes)
+            if acc.num_processes > 1:
+                sharding.take_shards_from_main(model, main_weights, acc.device)
+            main_weights = None
         trained = [p for p in model.parameters() if p.requires_grad]
         self.master = MasterWeights(trained) if precision.separate_master_copy else None
         targets = self.master.master if self.master else trained
@@ -154,7 +162,7 @@ class FineTuneRecipe:
             self.model = acc.prepare(model)
             self.optimizer = optimizer
             acc.register_for_checkpointing(self.optimizer, self.master)
-        elif self.sharded:  # FSDP2 syncs its own gradients; the checkpoint holds its gathered state
+        elif self.sharded:  # FSDP2 syncs its own gradients; the checkpoint holds each process's shards
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = acc.prepare(model, optimizer)
@@ -172,8 +180,7 @@ class FineTuneRecipe:
             return
         self.accelerator.load_state(str(self.ckpt))
         if self.sharded:
-            state = torch.load(self.ckpt / sharding.STATE_FILE, map_location="cpu", weights_only=False)
-            sharding.load_full_state(self.model, self.optimizer, state)
+            sharding.load_sharded(self.model, self.optimizer, self.ckpt / sharding.SHARDED_STATE_DIR)
         state = json.loads(progress.read_text())
         self.step_count, self.first_loss, self.elapsed_before = state["step"], state["first_loss"], state["elapsed_s"]
         self.probe_results = {int(k): v for k, v in state.get("probes", {}).items()}
@@ -272,10 +279,8 @@ class FineTuneRecipe:
             shutil.rmtree(tmp)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings share storage
-        if self.sharded:
-            state = sharding.full_state(self.model, self.optimizer)  # collective
-            if acc.is_main_process:
-                torch.save(state, tmp / sharding.STATE_FILE)
+        if self.sharded:  # collective: each process writes its own shards, none the whole state
+            sharding.save_sharded(self.model, self.optimizer, tmp / sharding.SHARDED_STATE_DIR)
         acc.wait_for_everyone()
         if acc.is_main_process:
             progress = {"step": self.step_count, "first_loss": self.first_loss, "elapsed_s": elapsed,
@@ -294,20 +299,20 @@ class FineTuneRecipe:
     def finish(self, seconds: float) -> dict:
         acc = self.accelerator
         model = acc.unwrap_model(self.model)
-        if self.sharded:  # gathered on every process; the main one keeps a plain copy to evaluate and save
-            weights = sharding.full_state(self.model, self.optimizer)["model"]
-            if acc.is_main_process:
-                model = sharding.unsharded_copy(self.model, weights)
-        if "forward" in vars(model.model):  # the compiled forward: evaluation's many shapes would recompile it
-            del model.model.forward
-        if self.master:
-            self.master.restore_fp32(model)  # keep the exact trained weights, not their bf16 rounding
-        model.eval()
-        self.model = model
+        flops_per_token = train_flops_per_token(model, self.cfg.seq_len)  # a DTensor counts its whole shape
+        if self.sharded:  # gathered to the main process alone, which keeps a plain copy on the training device
+            weights = sharding.gather_to_main(self.model)  # {} on the other processes
+            model = sharding.unsharded_copy(self.model, weights, acc.device) if acc.is_main_process else None
+            del weights
+        if model is None:  # the other processes keep nothing: the runner evaluates on the main one
+            self.model = self.optimizer = None
+        else:
+            self._plain_for_evaluation(model)
+        note_peak_rss("after_training")
         step, budget = self.step_count, self.budget
         tokens = budget.tokens_after(step)
         throughput = tokens / max(seconds, 1e-9)
-        flops = train_flops_per_token(model, self.cfg.seq_len) * throughput
+        flops = flops_per_token * throughput
         rows_read = step * budget.rows_per_step
         epochs = self.rows.epochs(rows_read)
         return {
@@ -335,6 +340,15 @@ class FineTuneRecipe:
             or None,
             "probe_dtype": str(self.precision.param_dtype).removeprefix("torch."),  # the weights' own, no autocast
         }
+
+    def _plain_for_evaluation(self, model) -> None:
+        """`model` (unwrapped or unsharded) as the runner keeps and evaluates it."""
+        if "forward" in vars(model.model):  # the compiled forward: evaluation's many shapes would recompile it
+            del model.model.forward
+        if self.master:
+            self.master.restore_fp32(model)  # keep the exact trained weights, not their bf16 rounding
+        model.eval()
+        self.model = model
 
     # ---------------------------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -411,6 +425,19 @@ def recover_checkpoint(ckpt: Path) -> None:
     old = ckpt.with_name(CHECKPOINT_DIR + ".old")
     if old.exists() and (ckpt / "progress.json").exists():  # the next swap renames `checkpoint` onto it
         shutil.rmtree(old)
+
+
+def note_peak_rss(stage: str) -> None:
+    """Tests only (`PEAK_RSS_DIR_ENV`): this process's peak resident memory so far, as `<stage>` of rank<N>.json."""
+    folder = os.environ.get(PEAK_RSS_DIR_ENV)
+    if not folder:
+        return
+    import resource
+
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.json"
+    notes = json.loads(path.read_text()) if path.exists() else {}
+    notes[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    _write_atomic(path, json.dumps(notes))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -1,22 +1,35 @@
 """FSDP (`train.strategy=fsdp`): every decoder layer and then the whole model fully sharded over the processes
 with PyTorch's `fully_shard` (FSDP2: parameters become DTensors; its CPU/gloo path is the one CI runs), so that
 weights, gradients and AdamW state take 1/N of the memory each (train/memory.py). The weights stay fp32 (the
-master weights); bf16 compute is still `train.precision`'s autocast.
+master weights); bf16 compute is still `train.precision`'s autocast. It applies wherever a process group exists
+(`shards`): torchrun with one process shards over a mesh of one, a plain `python -m mha2mla_exp` trains plainly.
 
+No process but the main one ever holds the whole model on the host:
+- start: the main process loads and converts; the others build the converted model on the meta device
+  (`empty_like_main`), and after sharding every process takes its shard of the main process's weights
+  (`take_shards_from_main`: torch.distributed.checkpoint's broadcast_from_rank0, one tensor at a time);
+- checkpoints: torch.distributed.checkpoint writes each process's shards of the weights and AdamW's state into
+  one file per process (`save_sharded`), and a resume reads back only its own (`load_sharded`);
+- end: the weights are gathered to the main process alone (`gather_to_main`), which builds a plain, unsharded
+  copy on the training device (`unsharded_copy`) to evaluate and save; the other processes keep nothing.
 What only one process did under DDP is collective here, because a sharded parameter exists only as N pieces:
-the held-out probe runs on every process, checkpoints are written from full (gathered) state dicts, and the
-trained model handed back to the runner is a plain, unsharded copy built from the gathered weights.
+the held-out probe runs on every process.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+import torch.distributed as td
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
-STATE_FILE = "fsdp_state.pt"
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SHARDED_STATE_DIR = "fsdp_shards"  # inside a checkpoint folder: torch.distributed.checkpoint's files
+
+
+def shards(train_cfg) -> bool:
+    """Whether a fine-tune with `train_cfg` trains sharded: `train.strategy=fsdp` in a launch with a process
+    group (torchrun / accelerate launch / SLURM tasks, one process or more)."""
+    return (train_cfg.get("strategy") or "ddp") == "fsdp" and td.is_available() and td.is_initialized()
 
 
 def shard(model: torch.nn.Module, device_type: str, num_processes: int) -> torch.nn.Module:
@@ -37,27 +50,66 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def full_state(model, optimizer) -> dict:
-    """The gathered model and optimizer state (collective: every process calls it), on CPU."""
-    return {"model": get_model_state_dict(model, options=_FULL),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
+def empty_like_main(config) -> torch.nn.Module:
+    """The model of `config` (the main process's, e.g. the converted MLAConfig) on the meta device: its
+    structure without any memory, for a process that receives its shards from the main one."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
-def load_full_state(model, optimizer, state: dict) -> None:
-    """Scatter a `full_state` back into the shards (every process holds `state`)."""
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, state["model"], options=options)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+def take_shards_from_main(model: torch.nn.Module, main_weights: dict | None, device: torch.device) -> None:
+    """Fill a sharded `model` with the main process's weights (collective). `main_weights`: the main process's
+    full state dict, taken before sharding; None on the others, whose model may be on the meta device (it is
+    materialised on `device` first). Buffers (rotary frequencies, which no state dict holds) are the main's too."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        model.to_empty(device=device)
+    set_model_state_dict(model, main_weights or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        td.broadcast(buffer, src=0)
 
 
-def unsharded_copy(model: torch.nn.Module, model_state: dict) -> torch.nn.Module:
-    """A plain module of the model's own class holding the gathered weights: what the main process evaluates
-    and saves (a sharded module would wait for the other processes at every forward)."""
+def save_sharded(model, optimizer, folder) -> None:
+    """Each process writes its shards of the weights and of AdamW's state into `folder` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder) -> None:
+    """The inverse of `save_sharded`: each process reads back its own shards (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def gather_to_main(model) -> dict:
+    """The full weights, gathered one tensor at a time onto the main process's host memory (collective; the
+    other processes get an empty dict: full_state_dict with cpu_offload keeps rank 0's values only)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def unsharded_copy(model: torch.nn.Module, model_state: dict, device: torch.device) -> torch.nn.Module:
+    """A plain module of the model's own class holding the gathered weights, on `device` (the training device:
+    the main process evaluates it there; a sharded module would wait for the other processes at every forward).
+    Built on the meta device and materialised on `device`, so the host holds only the gathered state."""
     cls = type(model).__bases__[-1]  # fully_shard made the class (FSDPModule, the model's own class)
-    plain = cls(model.config)
+    with torch.device("meta"):
+        plain = cls(model.config)
+    plain.to_empty(device=device)
     missing, unexpected = plain.load_state_dict(model_state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"the gathered weights do not fit {cls.__name__}: missing {missing}, unexpected {unexpected}")
     plain.tie_weights()
+    sharded_buffers = dict(model.named_buffers())  # not sharded: every process has them whole
+    with torch.no_grad():
+        for name, buffer in plain.named_buffers():
+            buffer.copy_(sharded_buffers[name])
     return plain.to(dtype=next(iter(model_state.values())).dtype)
