@@ -465,8 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     scratch = Path(tempfile.gettempdir()) / f"mha2mla_gpu_smoke{'_dry' if args.dry else ''}"
-    args.out = args.out or (scratch / "out" if args.dry else ROOT / "results" / "bench" / "gpu")
-    args.work = args.work or scratch / "work"
+    args.out = (args.out or (scratch / "out" if args.dry else ROOT / "results" / "bench" / "gpu")).resolve()
+    args.work = (args.work or scratch / "work").resolve()  # absolute: the runner reports its run dirs under it
     return args
 
 
