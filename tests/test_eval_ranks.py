@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from mha2mla_exp.evaluation.fixtures import longbench_dir, text_files
+from mha2mla_exp.evaluation.fixtures import commonsense_tree, longbench_dir, text_files
 from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.long_context import LongContextConfig, evaluate_long_context
 from mha2mla_exp.evaluation.longbench import LongBenchConfig, evaluate_longbench
@@ -20,10 +20,14 @@ from conftest import TINY_BYTE_LM
 from test_distributed import launch
 
 # a converted tiny model, not fine-tuned (so both launches evaluate the same weights), on passkey generation and
-# long-document perplexity: generate_until and loglikelihood_rolling requests, 9 documents for 2 ranks
+# long-document perplexity (generate_until and loglikelihood_rolling requests, 9 documents) and an offline
+# commonsense slice (multiple-choice loglikelihood, a seeded sample of documents per task)
 SUITE = ["train=none", "eval=long_context", "model.finetune_length=512", "eval.long_context.lengths=[400]",
          "eval.long_context.depths=[0.0,0.5,1.0]", "eval.long_context.ppl_lengths=[256]",
-         "eval.long_context.ppl_docs=3", "eval.long_context.batch_size=2"]
+         "eval.long_context.ppl_docs=3", "eval.long_context.batch_size=2",
+         "eval.commonsense.enabled=true", "+eval.commonsense.offline=true", "+eval.commonsense.tasks=[arc_easy,piqa,mmlu]",
+         "+eval.commonsense.mmlu_subjects=[anatomy,astronomy]", "+eval.commonsense.limit=7",
+         "+eval.commonsense.batch_size=4"]
 
 
 def evaluated(results_dir):
@@ -34,18 +38,30 @@ def evaluated(results_dir):
 
 
 def test_two_ranks_share_the_suites_and_give_the_one_process_results(tmp_path):
-    one = launch(tmp_path / "one", 1, *SUITE)
+    data_root = commonsense_tree(tmp_path / "hf_datasets", n=24, subjects=("anatomy", "astronomy"))
+    suite = [*SUITE, f"+eval.commonsense.data_root={data_root}"]
+    one = launch(tmp_path / "one", 1, *suite)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = launch(tmp_path / "two", 2, *SUITE)
+    two = launch(tmp_path / "two", 2, *suite)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("[mha2mla_exp] ok:") == 1  # one record, written by the main process
     (single, single_rows), (double, double_rows) = evaluated(tmp_path / "one"), evaluated(tmp_path / "two")
     assert double["status"] == single["status"] == "ok"
-    # both ranks took part: 9 documents, 5 requests each (lm-eval pads the shorter share by one)
-    assert double["eval"]["meta"]["ranks"] == {"processes": 2, "requests": [5, 5]}
+    # both ranks took part, about half each (lm-eval pads the shorter share of a task by a request or so)
+    ranks = double["eval"]["meta"]["ranks"]
+    assert ranks["processes"] == 2 and all(n > 0 for n in ranks["requests"])
+    assert abs(ranks["requests"][0] - ranks["requests"][1]) <= 4
     assert "ranks" not in single["eval"]["meta"]
     assert double["placement"]["evaluating_processes"] == 2
-    assert len(single_rows) == 9 and double_rows == single_rows  # every document, scored the same, in order
+    # every document, scored the same, in the same order: 9 long-context ones, 7 per commonsense task; the
+    # log-likelihoods to float rounding (a rank's loglikelihood batches pad to other lengths), the rest exactly
+    assert len(single_rows) == 9 + 4 * 7 and len(double_rows) == len(single_rows)
+    for ours, theirs in zip(double_rows, single_rows):
+        assert {k: v for k, v in ours.items() if k != "ll"} == {k: v for k, v in theirs.items() if k != "ll"}
+        if "ll" in theirs:
+            assert ours["ll"] == pytest.approx(theirs["ll"], rel=1e-5)
+    assert double["eval"]["commonsense"] == single["eval"]["commonsense"]
+    assert double["eval"]["meta"]["commonsense"]["n_docs"] == single["eval"]["meta"]["commonsense"]["n_docs"]
     assert double["eval"]["long_context"] == single["eval"]["long_context"]
     assert double["eval"]["perplexity"] == single["eval"]["perplexity"]
     assert double["eval"]["meta"]["long_context"]["by_depth"] == single["eval"]["meta"]["long_context"]["by_depth"]
