@@ -78,7 +78,8 @@ def models():
     torch.set_num_threads(1)  # lm-eval's batches deterministic
     original, tokenizer = build_random_model(TINY_BYTE_LM)
     converted = convert_to_mla(original, rope="high", r=2, svd="joint", d_kv=16)
-    yield {"original": original.eval(), "mla": converted.eval()}, tokenizer
+    absorbed = convert_to_mla(original, rope="high", r=2, svd="joint", d_kv=16).set_absorb(True)
+    yield {"original": original.eval(), "mla": converted.eval(), "mla_absorbed": absorbed.eval()}, tokenizer
     torch.set_num_threads(threads)
 
 
@@ -87,7 +88,7 @@ def _tasks(tmp_path, monkeypatch):
     monkeypatch.setenv("MHA2MLA_EVAL_TASKS", str(tmp_path / "eval_tasks"))
 
 
-@pytest.mark.parametrize("which", ["original", "mla"])
+@pytest.mark.parametrize("which", ["original", "mla", "mla_absorbed"])  # the latent cache, both attention paths
 def test_batched_passkey_generation_equals_one_prompt_at_a_time(models, which, tmp_path):
     by_name, tokenizer = models
     texts = [str(p) for p in text_files(tmp_path / "texts", n_docs=3, sentences=60)]
