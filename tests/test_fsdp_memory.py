@@ -66,7 +66,8 @@ def test_the_other_process_never_holds_a_full_copy_and_checkpoints_are_sharded(t
 def test_one_process_under_torchrun_trains_sharded_and_resumes_from_its_sharded_checkpoint(one_process, tmp_path):
     def torchrun(*extra, env=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               "-m", "mha2mla_exp", *COMMON, *FSDP, *extra, f"results_dir={tmp_path}"]
+               "-m", "mha2mla_exp", *COMMON, "train.micro_batch_size=4", "train.grad_accum=2", "train.strategy=fsdp",
+               *extra, f"results_dir={tmp_path}"]  # the one process's batch: the same 8 rows a step
         env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
