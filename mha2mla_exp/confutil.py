@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,13 @@ from typing import Any
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the Hydra config groups (an editable install's)
+
+# integer arithmetic for configs, registered wherever the configs are composed: `d_kv: ${mla_div:${...head_dim},4}`.
+# A division by 0 gives 0, for the field's own positivity check to name (train=paper's grad_accum on a bad launch).
+if not OmegaConf.has_resolver("mla_div"):
+    OmegaConf.register_new_resolver("mla_div", lambda a, b: int(a) // int(b) if int(b) else 0)
+if not OmegaConf.has_resolver("mla_mul"):
+    OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 
 def as_plain_dict(cfg: Any, group: str) -> dict:

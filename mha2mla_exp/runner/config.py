@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -24,12 +23,6 @@ from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from .identity import digest, evaluation_identity, setting_identity, trained_identity
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
-
-# integer division for configs: `d_kv: ${mla_div:${model.shape.head_dim},4}`
-if not OmegaConf.has_resolver("mla_div"):
-    OmegaConf.register_new_resolver("mla_div", lambda a, b: int(a) // int(b))
-if not OmegaConf.has_resolver("mla_mul"):
-    OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
 
 
 class ConfigError(ValueError):
