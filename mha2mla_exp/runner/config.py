@@ -271,7 +271,7 @@ def _check_memory(cfg: DictConfig, shape: ModelShape, precision: Precision, *, t
         memory = per_gpu(planned)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    host = estimate_host_memory(parameters=memory.parameters, processes=planned, strategy=strategy, teacher=teacher)
+    host = estimate_host_memory(parameters=memory.parameters, processes=planned, strategy=strategy)
     launch = LaunchCheck(planned=planned, launched=launched, needed=processes_needed(per_gpu, limit),
                          on_launch=per_gpu(launched), limit_gb=limit)
     if device_type != "cuda" and not cfg.get("dry_run"):

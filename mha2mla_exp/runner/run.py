@@ -186,7 +186,13 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
         if plan.memory is not None:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
         if plan.host_memory is not None:
+            from ..train.memory import checkpoint_bytes_per_process
+
             lines.append(f"  host memory: {plan.host_memory.describe()}")
+            written = checkpoint_bytes_per_process(parameters=plan.memory.parameters, processes=plan.memory.processes,
+                                                   strategy=plan.memory.strategy)
+            lines.append(f"  checkpoint: {written / 1e9:.1f} GB from the busiest process every "
+                         f"{cfg.train.checkpoint_every} steps and at a stop signal")
     mixture = (training_data_cfg(cfg) or cfg.data).get("mixture") if plan.fine_tune else None
     if mixture:
         from ..data.sources import mixture_token_shares

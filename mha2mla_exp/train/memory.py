@@ -12,14 +12,13 @@ their gradient (8 x tokens x vocab) plus the bf16 logits under autocast (2 x tok
 tokens, or of one chunk's (`loss_head.CHUNK_ROWS`) with `train.fused_loss`. A teacher (logit distillation) is a
 bf16 copy of the original. CUDA context and allocator slack: 1.5 GB plus 10 %.
 
-Host memory per process (`estimate_host_memory`), at each process's peak: the main process loads the original
-in fp32 (4 bytes a parameter) and converts it beside itself (the converted model is smaller: 4 bounds it), so 8.
-Under DDP every process does the same (each holds the whole model to train it). Under FSDP the other processes
-load nothing: they build the converted model on the meta device and receive their shards from the main process
-(train/sharding.py); their host peak is the staging of their own checkpoint shard (fp32 weights and AdamW's two
-moments, 12 bytes a parameter / N). A teacher (logit distillation) is loaded by every process, fp32 on the host
-(4), before it moves to its GPU in bf16. Each process also holds its interpreter, torch and the CUDA libraries
-(`HOST_RUNTIME_BYTES`).
+Host memory per process of a launch on GPUs (`estimate_host_memory`): weights are read from memory-mapped
+safetensors straight onto each process's GPU (models.py: the original, a kd teacher, a kept model), the conversion
+runs there, checkpoints are written and read one tensor at a time (FSDP: each process its own shards), so a process
+holds little beyond its interpreter, torch and the CUDA libraries (`HOST_RUNTIME_BYTES`). The exception: at the end
+of an FSDP fine-tune the main process gathers the trained weights on the host (4 bytes a parameter) to build the
+plain model it saves. (A CPU run holds the original and the conversion on the main process, 8 bytes a parameter;
+under FSDP the others build the model on the meta device and receive their shards: train/sharding.py.)
 """
 
 from __future__ import annotations
@@ -120,30 +119,21 @@ class HostEstimate:
         return self.main_gb + (min(processes_per_node, self.processes) - 1) * self.other_gb
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.main.items())
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.main.items()) or "the weights stay on its GPU"
         text = f"main process {self.main_gb:.1f} GB ({parts})"
         if self.processes > 1:
-            others = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.other.items()) or "nothing but the runtime"
+            others = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.other.items()) or "the runtime alone"
             text += (f", each of the other {self.processes - 1} {self.other_gb:.1f} GB ({others}); "
                      f"{self.node_gb(self.processes):.1f} GB for all {self.processes} on one node")
         return text + f" (+ {HOST_RUNTIME_BYTES / GB:.0f} GB runtime each and {SLACK:.0%} slack)"
 
 
-def estimate_host_memory(*, parameters: int, processes: int, strategy: str = "ddp",
-                         teacher: bool = False) -> HostEstimate:
-    """Host (CPU) memory per process of a fine-tune of a model of `parameters` (see the module docstring)."""
+def estimate_host_memory(*, parameters: int, processes: int, strategy: str = "ddp") -> HostEstimate:
+    """Host (CPU) memory per process of a fine-tune on GPUs of a model of `parameters` (see the module docstring)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    main = {"original fp32": 4 * parameters, "converted fp32": 4 * parameters}
-    if processes == 1:
-        other = {}
-    elif strategy == "ddp":  # the original each process loads is also its teacher
-        other = dict(main)
-    else:
-        other = {"checkpoint shard": 12 * parameters / processes}
-        if teacher:
-            other["teacher fp32 (loading)"] = 4 * parameters
-    return HostEstimate(strategy, processes, main, other)
+    main = {"gathered weights at the end": 4 * parameters} if strategy == "fsdp" and processes > 1 else {}
+    return HostEstimate(strategy, processes, main, {})
 
 
 def processes_needed(estimate, limit_gb: float) -> int | None:
