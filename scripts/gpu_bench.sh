@@ -30,13 +30,8 @@ if [[ "${1:-}" == "prepare" ]]; then
 fi
 
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. scripts/carried_wheels.sh
+install_carried_wheels || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WANDB_MODE=disabled
 TAG=$($PY -c "import torch; from mha2mla_exp.bench.__main__ import machine_tag; print(machine_tag(torch.device('cuda')))") || exit 1
 RES=results/bench/$TAG

@@ -57,13 +57,8 @@ if [[ "${1:-}" == "prepare" ]]; then
 fi
 
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. scripts/carried_wheels.sh
+install_carried_wheels || exit 1
 # the asset cache the project reads (mha2mla_exp/assets/fetch.py): the carried wheel instead of a download
 export MHA2MLA_CACHE=${MHA2MLA_CACHE:-/tmp/mha2mla_cache}
 mkdir -p "$MHA2MLA_CACHE/wheels"
