@@ -11,13 +11,14 @@ import random
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from mha2mla_exp.data import prepare_data
 from mha2mla_exp.data import sources
-from mha2mla_exp.data.sources import check_data_config, mixture_token_shares
+from mha2mla_exp.data.sources import check_data_config, mixture_token_shares, part_name
 from mha2mla_exp.data.tokens import bos_prefix, tokenize_documents
 from mha2mla_exp.models import byte_tokenizer
 
@@ -351,3 +352,24 @@ def test_a_token_cache_written_without_bos_is_never_read_for_a_tokenizer_that_ad
         old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])
         _, before, _ = prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)
     assert prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)[1:] == (before, True)
+
+
+def test_the_length_measurement_is_read_once_and_kept_for_the_other_processes(tmp_path, tok, monkeypatch):
+    """Every process (and every relaunch) re-read each part's first documents to measure them, python-edu's from S3;
+    the main process prepares the data first, so the others now read its measurement from the cache."""
+    from mha2mla_exp.assets.fetch import CACHE_ENV
+    from mha2mla_exp.data import stream
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    opened = []
+    real = stream.part_stream
+    monkeypatch.setattr(stream, "part_stream", lambda part: opened.append(part_name(part)) or real(part))
+    parts = lettered_parts(tmp_path, {"long": 0.5, "short": 0.5}, n=600)
+    first = prepare_data(stream_cfg(parts), tok).stats["mixture"]
+    assert sorted(opened) == ["long", "short"]
+    opened.clear()
+    again = prepare_data(stream_cfg(parts), tok).stats["mixture"]
+    assert opened == [] and again["mean_document_tokens"] == first["mean_document_tokens"]
+    write_jsonl(Path(parts[0]["data_files"]), [{"text": f"l{i:05d}"} for i in range(600)])  # rewritten in place
+    assert prepare_data(stream_cfg(parts), tok).stats["mixture"]["mean_document_tokens"]["long"] < 10
+    assert "long" in opened  # measured anew

@@ -28,9 +28,12 @@ at a step is a pure function of (mixture seed, run seed, step).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -109,19 +112,50 @@ def plan_mixture(cfg: dict, tokenizer) -> StreamMixture:
     parts, shares = [p for p, _ in kept], [s for _, s in kept]
     means = counted = None
     if len(parts) > 1:
-        wanted, prefix = int(cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)), bos_prefix(tokenizer)
-        means, counted = [], []
-        for part in parts:
-            texts = [t for _, (_, t) in zip(range(wanted), _documents(part_stream(part)))]
-            if not texts:
-                raise ValueError(f"data.mixture: part {part_name(part)!r} has no documents")
-            tokens = sum(len(ids) + 1 for start in range(0, len(texts), _CHUNK)
-                         for ids in tokenize_documents(tokenizer, texts[start:start + _CHUNK], prefix))
-            means.append(tokens / len(texts))
-            counted.append(len(texts))
+        means, counted = _measured_lengths(parts, int(cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)),
+                                           tokenizer)
     mixture = StreamMixture(parts, shares, means, counted, dropped, seed=cfg.get("mixture_seed", 0))
     log.info("data mixture: %s", mixture.describe())
     return mixture
+
+
+def _measured_lengths(parts: list[dict], wanted: int, tokenizer) -> tuple[list[float], list[int]]:
+    """Each part's mean document length in tokens over its first `wanted` documents, and how many were read, kept
+    on disk (`<cache>/data/mixture-lengths-<key>.json`): the main process prepares the data first and measures, the
+    other processes and a relaunch read the file instead of re-reading every part's head (python-edu's from S3)."""
+    from ..assets import cache_dir
+    from .prepare import tokenizer_fingerprint
+
+    prefix = bos_prefix(tokenizer)
+    material = {"parts": parts, "documents": wanted, "tokenizer": tokenizer_fingerprint(tokenizer), "prefix": prefix,
+                "local_files": [_file_identity(part) for part in parts]}
+    key = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = cache_dir() / "data" / f"mixture-lengths-{key}.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return saved["mean_document_tokens"], saved["documents_measured"]
+    means, counted = [], []
+    for part in parts:
+        texts = [t for _, (_, t) in zip(range(wanted), _documents(part_stream(part)))]
+        if not texts:
+            raise ValueError(f"data.mixture: part {part_name(part)!r} has no documents")
+        tokens = sum(len(ids) + 1 for start in range(0, len(texts), _CHUNK)
+                     for ids in tokenize_documents(tokenizer, texts[start:start + _CHUNK], prefix))
+        means.append(tokens / len(texts))
+        counted.append(len(texts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"mean_document_tokens": means, "documents_measured": counted}))
+    os.replace(partial, path)
+    return means, counted
+
+
+def _file_identity(part: dict) -> list:
+    """(path, size, mtime) of a packaged builder's local data files: a file rewritten in place is measured anew."""
+    files = part.get("data_files") or []
+    files = [files] if isinstance(files, str) else files
+    return [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files
+            if "://" not in f and Path(f).is_file()]
 
 
 def read_held_out(cfg: dict, tokenizer, separator: int, mixture: StreamMixture | None = None
