@@ -49,6 +49,11 @@ class LongContextConfig:
         if self.samples_per_depth < 1 or self.ppl_docs < 1:
             raise ValueError("samples_per_depth and ppl_docs must be >= 1")
 
+    @property
+    def longest(self) -> int:
+        """The longest sequence the suite scores (a passkey prompt or a perplexity document): it must fit the window."""
+        return max((*self.lengths, *self.ppl_lengths), default=0)
+
 
 def load_texts(paths=None) -> list[tuple[str, str]]:
     """(name, text) of the haystack documents, in a fixed (sorted) order."""
@@ -210,10 +215,9 @@ def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int 
                           texts=None) -> tuple[dict, dict, dict, list[dict]] | None:
     """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows);
     None on a rank other than 0 of a multi-process evaluation."""
-    longest = max((*cfg.lengths, *cfg.ppl_lengths), default=0)
     window = window or lm.max_length
-    if longest > window:
-        raise ValueError(f"long-context length {longest} exceeds the evaluation window {window}")
+    if cfg.longest > window:
+        raise ValueError(f"long-context length {cfg.longest} exceeds the evaluation window {window}")
     folder, passkey, ppl = task_folder(tokenizer, cfg, texts)
     run = run_tasks(lm, [*passkey.values(), *ppl.values()], include_path=folder, include_defaults=False)
     if run is None:  # another rank of a multi-process evaluation: rank 0 holds the results

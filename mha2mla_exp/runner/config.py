@@ -102,7 +102,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
             check_data_config(cfg.train.data, missing_access=blocked)
         except ValueError as err:
             raise ConfigError(f"train.{err}" if str(err).startswith("data.") else f"train.data: {err}") from err
-    _check_eval(cfg.eval)
+    _check_eval(cfg.eval, cfg.model)
     notes = []
 
     spec = None
@@ -360,8 +360,10 @@ def _check_source(group: str, check, cfg_group: DictConfig) -> None:
         raise ConfigError(message if message.startswith(group) else f"{group}: {message}") from err
 
 
-def _check_eval(eval_cfg: DictConfig) -> None:
-    """The evaluation's own parser, run here so that a bad eval setting fails before fine-tuning, not after."""
+def _check_eval(eval_cfg: DictConfig, model_cfg: DictConfig) -> None:
+    """The evaluation's own parser, run here so that a bad eval setting fails before fine-tuning, not after; and
+    the long-context suite's lengths against the window it is scored in (the model's fine-tuning length, else its
+    context), which the suite itself checks only after the fine-tune."""
     from ..evaluation import parse_eval_config
 
     container = OmegaConf.to_container(eval_cfg, resolve=True)
@@ -372,10 +374,14 @@ def _check_eval(eval_cfg: DictConfig) -> None:
     if dtype in EVAL_DTYPE_MODES:
         container["dtype"] = None  # a mode: resolved per device by resolve_eval_dtype, after the cheap checks
     try:
-        parse_eval_config(container)
+        long_context = parse_eval_config(container)["long_context"]
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         message = str(err)
         raise ConfigError(message if message.startswith("eval") else f"eval: {message}") from err
+    window = model_cfg.get("finetune_length") or (model_cfg.get("shape") or {}).get("context_length")
+    if long_context is not None and window and long_context.longest > int(window):
+        raise ConfigError(f"eval.long_context: its longest sequence ({long_context.longest} tokens: lengths / "
+                          f"ppl_lengths) exceeds the evaluation window of {window} (model.finetune_length)")
 
 
 _SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
