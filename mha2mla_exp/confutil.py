@@ -1,4 +1,5 @@
-"""Config mappings as plain dicts, with a missing value reported under its config group."""
+"""Where the configs live and what composing them needs (the schema, two integer resolvers); config mappings as
+plain dicts, with a missing value reported under its config group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
+from .schema.store import register as register_schema
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the Hydra config groups (an editable install's)
 
 # integer arithmetic for configs, registered wherever the configs are composed: `d_kv: ${mla_div:${...head_dim},4}`.
@@ -17,6 +20,7 @@ if not OmegaConf.has_resolver("mla_div"):
     OmegaConf.register_new_resolver("mla_div", lambda a, b: int(a) // int(b) if int(b) else 0)
 if not OmegaConf.has_resolver("mla_mul"):
     OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
+register_schema()  # conf/config.yaml composes onto the typed schema (mha2mla_exp/schema)
 
 
 def as_plain_dict(cfg: Any, group: str) -> dict:

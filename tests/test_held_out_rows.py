@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -140,24 +139,3 @@ def test_a_record_without_row_indices_scored_the_first_rows():
     assert old.same_rows(held_out_rows(nll, tokens, index=[0, 1, 2, 3]))
     assert not old.same_rows(held_out_rows(nll, tokens, index=[0, 7, 14, 21]))
     assert not held_out_rows(nll, tokens, index=[0, 7, 14, 21]).same_rows(old)
-
-
-def test_old_records_are_backfilled_with_their_rows_documents(tmp_path, monkeypatch):
-    """A record that scored the first rows gets each row's document from its data config, and nothing else
-    changes; a record that already says is left alone."""
-    from mha2mla_exp.runner import backfill
-
-    run = tmp_path / "runs" / "old"
-    run.mkdir(parents=True)
-    record = {"status": "ok", "eval": {"perplexity": {"heldout": 40.0, "row_nll": [3.7, 3.6, 3.8],
-                                                      "row_tokens": [15, 15, 15]}}}
-    (run / "results.json").write_text(json.dumps(record))
-    (run / "config.yaml").write_text(json.dumps({"model": {"id": "m"}, "data": {"source": "local", "seq_len": 16}}))
-    documents = torch.tensor([0, 0, 1, 2, 2])
-    seen = []
-    monkeypatch.setattr(backfill, "_documents", lambda model, data, memo: seen.append(data) or documents)
-    assert backfill.main([str(tmp_path / "runs")]) == 0
-    after = json.loads((run / "results.json").read_text())["eval"]["perplexity"]
-    assert after["row_document"] == [0, 0, 1] and after["row_index"] == [0, 1, 2]
-    assert after["row_selection"] == "first" and after["row_nll"] == [3.7, 3.6, 3.8]
-    assert backfill.backfill_rows(run / "results.json", {}) is False and len(seen) == 1

@@ -5,16 +5,13 @@ aggregate's."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
 from mha2mla_exp.aggregate import build_aggregate, paired
-from mha2mla_exp.runner import backfill, record, validate
+from mha2mla_exp.runner import record, validate
 from tests.test_aggregate import _record, _write
 from tests.test_configs import compose_cfg
 
@@ -65,51 +62,6 @@ def test_a_record_without_a_setting_stands_alone(tmp_path):
         _write(tmp_path, name, rec, seed=seed)
     t1 = build_aggregate([tmp_path]).tables["table1"]
     assert list(t1.loc[(t1["d_kv"] == 16) & (t1["n_seeds"] > 0), "n_seeds"]) == [1, 1]
-
-
-def _recorded_run(root: Path, overrides: list[str]) -> Path:
-    cfg = compose_cfg(overrides)
-    plan = validate(cfg)
-    run = root / "run"
-    run.mkdir(parents=True)
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    rec = {"trained_hash": plan.trained_hash, "eval_hash": plan.eval_hash, "train": {"precision": {"mode": "fp32"}}}
-    (run / "results.json").write_text(json.dumps(rec))
-    return run / "results.json"
-
-
-def test_backfill_writes_the_setting_only_when_re_planning_reproduces_the_record(tmp_path):
-    results = _recorded_run(tmp_path / "ok", TRAINED)
-    assert backfill.backfill_setting(results) is True
-    assert json.loads(results.read_text())["setting_hash"] == validate(compose_cfg(TRAINED)).setting_hash
-    assert backfill.backfill_setting(results) is False   # already says
-
-    other = _recorded_run(tmp_path / "other", TRAINED)
-    rec = json.loads(other.read_text())
-    rec["trained_hash"] = "00000000"   # written by code whose identity differed
-    other.write_text(json.dumps(rec))
-    assert backfill.backfill_setting(other) is False and "setting_hash" not in json.loads(other.read_text())
-
-
-def test_backfill_re_plans_auto_precision_as_it_was_recorded(tmp_path, monkeypatch):
-    import mha2mla_exp.runner.config as config
-
-    real = config.precision_for
-    auto = TRAINED[:-1] + ["train.precision=auto"]
-
-    def machine_choosing(auto_mode):   # what `auto` answers on a machine (the real probe times matmuls)
-        return lambda mode, *a, **k: real(auto_mode if mode == "auto" else mode, *a, **k)
-
-    monkeypatch.setattr(config, "precision_for", machine_choosing("bf16-autocast"))
-    results = _recorded_run(tmp_path, auto)   # recorded where auto chose bf16-autocast
-    expected = validate(compose_cfg(auto)).setting_hash
-    rec = json.loads(results.read_text())
-    rec["train"]["precision"]["mode"] = "bf16-autocast"
-    results.write_text(json.dumps(rec))
-    monkeypatch.setattr(config, "precision_for", machine_choosing("fp32"))   # re-planned where auto is fp32
-    assert validate(compose_cfg(auto)).setting_hash != expected
-    assert backfill.backfill_setting(results) is True
-    assert json.loads(results.read_text())["setting_hash"] == expected
 
 
 def test_mmlu_at_one_doc_per_subject_varies_in_the_bootstrap():

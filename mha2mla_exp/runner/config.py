@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ..data.sources import check_data_config, probe_hub_datasets
 from ..evaluation.kv import KVQuant
@@ -20,9 +21,10 @@ from ..train.memory import (STRATEGIES, HostEstimate, LaunchCheck, MemoryEstimat
 from ..train.optimizer import optimizer_impl
 from ..train.schedule import Schedule, schedule_for
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
-from .identity import digest, evaluation_identity, setting_identity, trained_identity
-
-VARIANTS = ("original", "finetuned_full_attention", "mla")
+from ..mla.lowrank import FACTOR_SPLIT
+from ..schema.fields import check_values
+from ..schema.identity import digest, evaluation_identity, setting_identity, trained_identity
+from ..schema.sections import RunConfig
 
 
 class ConfigError(ValueError):
@@ -45,6 +47,7 @@ class RunPlan:
     conversion_hash: str | None  # the untrained conversion's identity: recipes trained from it share it
     eval_hash: str               # this evaluation's identity
     setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
+    config: RunConfig            # the typed config, with what the entry resolves (device, precision, eval dtype)
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
     memory: MemoryEstimate | None = None  # per-GPU memory of the fine-tune, where train.gpu_memory_gb asks
     host_memory: HostEstimate | None = None  # host memory per process of the same plan
@@ -70,15 +73,15 @@ class RunPlan:
         return digest({"trained": self.trained_hash, "eval": self.eval_hash})
 
 
-def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=None) -> RunPlan:
-    """Check the composed config against the model's recorded shape facts; raise ConfigError naming
-    the field. No weight is loaded; a hub id's config.json may be read when the hub is reachable.
-    `auto_precision`: the mode `train.precision=auto` chose when the run was recorded (re-planning an old run
-    without probing this machine). `bf16_pays(hidden, intermediate) -> (fast, why)`: what decides `auto` and
-    `eval.dtype=fastest` on CPU (default: this process's own timing, `cpu_bf16_pays`)."""
+def validate(cfg: DictConfig, *, bf16_pays=None) -> RunPlan:
+    """Check the composed config (types and value constraints by the schema, then what depends on several fields:
+    shapes against r and d_kv, memory plans, data access) and resolve what depends on this machine (device,
+    `train.precision=auto`, `eval.dtype`); raise ConfigError naming the field. No weight is loaded; a hub id's
+    config.json may be read when the hub is reachable. `bf16_pays(hidden, intermediate) -> (fast, why)`: what
+    decides `auto` and `eval.dtype=fastest` on CPU (default: this process's own timing, `cpu_bf16_pays`)."""
     bf16_pays = bf16_pays or cpu_bf16_pays
-    if cfg.variant not in VARIANTS:
-        raise ConfigError(f"variant: unknown {cfg.variant!r}; expected one of {VARIANTS}")
+    cfg = _schema_errors(lambda: OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))  # a typed one as it is
+    typed = typed_config(cfg)
     _check_source("model", check_model_config, cfg.model)
     # a local folder's config.json: its shape facts when the config gives none, or a saved conversion
     saved = folder_config(cfg.model.id) if cfg.model.get("source") == "local" else None
@@ -144,8 +147,7 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
         schedule = _check_train(cfg)
         try:
             objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
-            mode = auto_precision if cfg.train.precision == "auto" and auto_precision else cfg.train.precision
-            precision = precision_for(mode, device_type, hidden_size=shape.hidden_size,
+            precision = precision_for(cfg.train.precision, device_type, hidden_size=shape.hidden_size,
                                       intermediate_size=intermediate_size(cfg, shape), bf16_pays=bf16_pays)
         except ValueError as err:
             raise ConfigError(str(err)) from err
@@ -159,40 +161,63 @@ def validate(cfg: DictConfig, *, auto_precision: str | None = None, bf16_pays=No
     eval_dtype, eval_dtype_reason = resolve_eval_dtype(
         cfg.eval.get("dtype"), device_type, bf16_pays=lambda: bf16_pays(shape.hidden_size, intermediate_size(cfg, shape)))
 
-    runtime = {"device_type": device_type, "precision": precision.to_record() if precision else None}
-    dropped = _dropped_mixture_parts(cfg)
-    if dropped:  # data.missing_parts=renormalise read other text on this machine: another model
-        runtime["mixture_dropped"] = dropped
+    # what this machine resolved is written into the config: the run's config.yaml says what ran
+    typed.device = device_type if typed.device == "auto" else typed.device
+    typed.eval.dtype = eval_dtype
+    typed.data.dropped_parts = _dropped_mixture_parts(cfg.data)
+    if typed.train.data is not None:
+        typed.train.data.dropped_parts = _dropped_mixture_parts(training_data_cfg(cfg))
     if precision is not None:
-        runtime["precision"].pop("reason")  # why auto chose it is a note, not an identity
-        runtime["rows_per_step"] = global_batch_rows(cfg.train)
+        typed.train.precision = precision.mode
+        typed.train.global_batch_rows = global_batch_rows(cfg.train)
     calibrates = spec is not None and spec.needs_calibration
-    trained = trained_identity(cfg, runtime=runtime, converts=spec is not None, trains=fine_tune, distills=distill,
-                               calibrates=calibrates)
-    conversion = trained_identity(cfg, runtime=runtime, converts=True, trains=False, distills=False,
-                                  calibrates=calibrates, starts_training=fine_tune or distill) if spec is not None else None
-    evaluation = evaluation_identity(cfg, eval_dtype=eval_dtype)
+    whitened = (FACTOR_SPLIT if (fine_tune or distill) and spec is not None and spec.svd != "none"
+                and typed.svd.init != "weight" else None)  # how whitened factors are split changes the training
+    trained = trained_identity(typed, converts=spec is not None, trains=fine_tune, distills=distill,
+                               calibrates=calibrates, whitened_factors=whitened)
+    conversion = trained_identity(typed, converts=True, trains=False, distills=False, calibrates=calibrates,
+                                  whitened_factors=whitened) if spec is not None else None
+    evaluation = evaluation_identity(typed)
     return RunPlan(
         variant=cfg.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
         device_type=device_type, precision=precision, eval_dtype=eval_dtype, eval_dtype_reason=eval_dtype_reason,
         trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
-        eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), notes=tuple(notes),
+        eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), config=typed,
+        notes=tuple(notes),
         memory=memory, host_memory=host_memory, launch=launch, schedule=schedule, blocked=tuple(blocked or ()),
         refused=tuple(refused or ()),
     )
 
 
-def _dropped_mixture_parts(cfg: DictConfig) -> list[str]:
-    """The hub mixture parts (of the run's data and the fine-tune's own) that `missing_parts: renormalise` drops on
-    this machine: which text a model trains on depends on them, so they are part of its identity."""
+def _dropped_mixture_parts(data: DictConfig | None) -> list[str]:
+    """The hub mixture parts that `missing_parts: renormalise` drops on this machine: which text a model trains on
+    depends on them, so they are written into the config (`data.dropped_parts`) and its identity."""
     from ..data.sources import available_parts
 
-    dropped = []
-    for data in (cfg.data, training_data_cfg(cfg)):
-        if data is not None and data.get("source") == "hub":
-            dropped += [part["name"] for part in available_parts(OmegaConf.to_container(data, resolve=True))[1]]
-    return sorted(dropped)
+    if data is None or data.get("source") != "hub":
+        return []
+    return sorted(part["name"] for part in available_parts(OmegaConf.to_container(data, resolve=True))[1])
+
+
+def typed_config(cfg: DictConfig) -> RunConfig:
+    """The composed config as the schema's dataclasses, its constraints checked; ConfigError naming the field."""
+    typed = _schema_errors(lambda: OmegaConf.to_object(cfg))
+    problems = check_values(typed)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return typed
+
+
+def _schema_errors(step):
+    """Run a step of OmegaConf's typing; its errors as ConfigError naming the field."""
+    try:
+        return step()
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{err.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+    except OmegaConfBaseException as err:
+        key, message = getattr(err, "full_key", None), str(err).split("\n")[0]
+        raise ConfigError(f"{key}: {message}" if key else message) from None
 
 
 def training_data_cfg(cfg: DictConfig):
@@ -217,7 +242,7 @@ def resolve_eval_dtype(dtype: str | None, device_type: str, *, bf16_pays=None) -
     """The lm-eval suites' dtype and why. `auto` (or null): bf16 on CUDA (as the paper evaluates), fp32 on CPU.
     `fastest`: bf16 on CUDA; on CPU bf16 where `bf16_pays()` (a timing of the model's matmuls) says it is
     worth it, else fp32: an AVX2-only CPU runs bf16 tens of times slower, an AMX one several times faster.
-    `dtype` was checked by `_check_eval`."""
+    `dtype` was checked by the schema."""
     dtype = dtype or "auto"
     if dtype in DTYPES:
         return dtype, "set in the config"
@@ -304,9 +329,6 @@ def _device_type(device: str) -> str:
 
 def _check_train(cfg: DictConfig) -> Schedule:
     t = cfg.train
-    for key in ("seq_len", "micro_batch_size"):
-        if int(t[key]) <= 0:
-            raise ConfigError(f"train.{key}: must be positive, got {t[key]}")
     if t.pretrain_share_pct is None and int(t.tokens) <= 0:
         raise ConfigError("train.tokens: must be positive when fine-tuning is enabled")
     wanted = t.get("global_batch_rows")
@@ -367,11 +389,7 @@ def _check_eval(eval_cfg: DictConfig, model_cfg: DictConfig) -> None:
     from ..evaluation import parse_eval_config
 
     container = OmegaConf.to_container(eval_cfg, resolve=True)
-    dtype = container.get("dtype")
-    if dtype not in (None, *EVAL_DTYPE_MODES, *DTYPES):
-        raise ConfigError(f"eval.dtype: unknown {dtype!r}; expected {', '.join(EVAL_DTYPE_MODES)}, null or one of "
-                          f"{', '.join(DTYPES)}")
-    if dtype in EVAL_DTYPE_MODES:
+    if container.get("dtype") in EVAL_DTYPE_MODES:
         container["dtype"] = None  # a mode: resolved per device by resolve_eval_dtype, after the cheap checks
     try:
         long_context = parse_eval_config(container)["long_context"]

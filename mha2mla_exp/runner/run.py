@@ -105,7 +105,8 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     tracker = _Tracker(cfg, run_dir) if main else _Tracker.off()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        # the typed config with what this machine resolved (device, precision, eval dtype): what ran, its identity
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
         write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
@@ -149,8 +150,9 @@ def plan_run(cfg: DictConfig, dist, bf16_pays=None) -> RunPlan:
         return plan
     if same_on_every_rank(_has_work(cfg, plan), dist):  # the usual case: no second validation at start-up
         return plan
-    other = validate(cfg, auto_precision="fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast",
-                     bf16_pays=bf16_pays)
+    other_mode = cfg.copy()
+    other_mode.train.precision = "fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast"
+    other = validate(other_mode, bf16_pays=bf16_pays)
     if same_on_every_rank(_has_work(cfg, other), dist):
         log.warning("train.precision=auto: this run's work so far is in %s; going on in it", other.precision.mode)
         reason = f"auto on CPU: {other.precision.mode}, the mode this run's earlier work was done in"

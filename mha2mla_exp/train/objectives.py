@@ -24,7 +24,7 @@ OBJECTIVES = Registry("recovery objective", "objective.name")
 
 def build_objective(cfg: dict) -> "Objective":
     """The objective named by `cfg["name"]`, its other keys as arguments; ValueError naming the field."""
-    cfg = dict(cfg or {"name": "ce"})
+    cfg = {key: value for key, value in (cfg or {"name": "ce"}).items() if value is not None}  # null: its default
     name = cfg.pop("name", "ce")
     cls = OBJECTIVES.class_of(name)
     try:
