@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -120,4 +119,9 @@ def test_an_option_documented_once_in_the_schema():
     undocumented = [f"{cls.__name__}.{f.name}" for cls in vars(sections).values()
                     if dataclasses.is_dataclass(cls) for f in dataclasses.fields(cls) if not f.metadata.get("doc")]
     assert not undocumented, undocumented
-    assert os.path.exists(CONF_DIR / "config.yaml")
+
+
+def test_the_config_reference_is_the_schema():
+    from mha2mla_exp.schema.reference import options_reference
+
+    assert (ROOT / "docs/CONFIG.md").read_text() == options_reference(), "python -m mha2mla_exp.schema > docs/CONFIG.md"
