@@ -16,13 +16,12 @@ energies and the model's loss may not. The converted config's `mla.budget_search
 and layer on average, so the cache holds exactly what the uniform split holds. Widths move `step` dims at a time
 from the layers whose narrowing costs the model least to those whose widening gains it most, each move priced by
 converting the whole model and scoring it on the selection sample (`search_widths`); an exchange is kept only
-when the whole model's loss falls. Singular energy (`allocation='global'`) prices a layer by its own objective
-and starves others (held-out ppl 3,862 at 72, REPORT §10); the model's loss does not.
+when the whole model's loss falls. Singular energy (`allocation='global'`) prices a layer by its own objective,
+which starves other layers; the model's loss does not.
 
-Why one K for every layer, scored on the model's loss: this module first searched each layer on its own, by
-the distance of its attention output to the original layer's. At 72 it chose 7..35 pairs per layer and
-reached held-out ppl 110.9, where a uniform 16 reaches 103.2 (SmolLM2-135M, REPORT.md): a layer's own output
-error does not price what its error does to the layers after it.
+Why one K for every layer, scored on the model's loss: a layer's own output error (the distance of its attention
+output to the original layer's) does not price what its error does to the layers after it; searched per layer
+that way, the split measured worse than a uniform one (results/REPORT.md, the KV budget section).
 """
 
 from __future__ import annotations
