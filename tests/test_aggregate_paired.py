@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from mha2mla_exp.aggregate.paired import (Z95, binomial_se, commonsense_spec, doc_values, paired_bootstrap,
-                                          paired_contrast,
-                                          point_scores, unpaired_difference)
+from mha2mla_exp.aggregate.paired import (BOOTSTRAP_SEED, N_BOOTSTRAP, Z95, _combine, binomial_se, bootstrap_scores,
+                                          commonsense_spec, doc_values, paired_bootstrap, paired_contrast,
+                                          point_scores, resample_counts, unpaired_difference)
 
 SPEC = commonsense_spec()
 TASKS = {"mmlu": ["mmlu_a", "mmlu_b"], "arc_easy": ["arc_easy"], "arc_challenge": ["arc_challenge"],
@@ -162,3 +162,41 @@ def test_a_contrast_of_rows_on_different_documents_is_refused():
     b = doc_values([frame(random_correct(11, n=399))], SPEC)
     with pytest.raises(ValueError, match="different documents"):
         paired_contrast([a, a], [a, b], SPEC)
+
+
+# ---------------------------------------------------------------- resamples drawn once, the same intervals
+def _fresh_column_means(diff: pd.Series, n_boot: int, seed: int) -> dict[str, np.ndarray]:
+    """The bootstrap as it ran before its draws were shared: every call draws its own, stratum by stratum."""
+    rng = np.random.default_rng(seed)
+    strata, singles = [], {}
+    for (column, _task), group in diff.groupby(level=["column", "task"], sort=True):
+        x = group.to_numpy(dtype=float)
+        (singles.setdefault(column, []).append(x) if len(x) == 1 else strata.append((column, x)))
+    sums, counts = {}, {}
+    for column, x in strata + [(column, np.concatenate(xs)) for column, xs in singles.items()]:
+        draws = rng.multinomial(len(x), np.full(len(x), 1.0 / len(x)), size=n_boot)
+        sums[column] = sums.get(column, 0.0) + draws @ x
+        counts[column] = counts.get(column, 0) + len(x)
+    return {c: sums[c] / counts[c] for c in sums}
+
+
+@pytest.mark.parametrize("mmlu", [(100, 300), (1, 1)])   # (1, 1): two single-doc subjects, pooled into one stratum
+def test_shared_resamples_give_the_intervals_of_fresh_draws_to_the_last_digit(mmlu):
+    a = doc_values([frame(random_correct(12, mmlu=mmlu))], SPEC)
+    shuffled = frame(random_correct(13, mmlu=mmlu)).sample(frac=1, random_state=0)   # other order: reindexed
+    b = doc_values([shuffled], SPEC)
+    before = resample_counts.cache_info()
+    shared = paired_bootstrap(a, b, SPEC)
+    again = paired_bootstrap(b, a, SPEC, n_boot=N_BOOTSTRAP)
+    assert resample_counts.cache_info().hits > before.hits   # the second contrast drew nothing
+    diff = a["value"] - b["value"].reindex(a.index)
+    fresh = _combine(_fresh_column_means(diff, N_BOOTSTRAP, BOOTSTRAP_SEED), SPEC)
+    tail = 100 * (1 - 0.95) / 2   # 2.500000000000002, as the intervals compute it
+    for name, interval in shared.items():
+        assert interval.low == np.percentile(fresh[name], tail)
+        assert interval.high == np.percentile(fresh[name], 100 - tail)
+        assert interval.estimate == -again[name].estimate
+    own = bootstrap_scores(a, SPEC)
+    fresh = _combine(_fresh_column_means(a["value"], N_BOOTSTRAP, BOOTSTRAP_SEED), SPEC)
+    assert {k: (v.low, v.high) for k, v in own.items()} == {
+        k: (np.percentile(r, tail), np.percentile(r, 100 - tail)) for k, r in fresh.items()}

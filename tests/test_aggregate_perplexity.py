@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from mha2mla_exp.aggregate import build_aggregate
-from mha2mla_exp.aggregate.pipeline import PERPLEXITY_COLUMNS, perplexity_view
+from mha2mla_exp.aggregate.perplexity_pairs import PERPLEXITY_COLUMNS, perplexity_view
 from mha2mla_exp.aggregate.perplexity_pairs import perplexity_pairs
 from mha2mla_exp.aggregate.plots import VERDICT_COLORS, perplexity_ratios
 from mha2mla_exp.aggregate.recovery_study import ppl_at, recovery_table
@@ -30,6 +30,11 @@ def test_perplexity_view_has_ok_runs_with_compute(tmp_path):
     record.setdefault("eval", {})["perplexity"] = {"heldout": 42.5}
     record.setdefault("timings", {})["distill_s"] = 3.0
     one.write_text(json.dumps(record))
+    for seed, ppl in ((0, 30.0), (1, 20.0)):   # one label, two rows: ordered by their numbers
+        path = runs / f"table1/smollm2-135m__ft-full-attention__seed{seed}/results.json"
+        record = json.loads(path.read_text())
+        record.setdefault("eval", {})["perplexity"] = {"heldout": ppl}
+        path.write_text(json.dumps(record))
 
     aggregate = build_aggregate([runs])
     view = perplexity_view(aggregate.runs)
@@ -39,6 +44,9 @@ def test_perplexity_view_has_ok_runs_with_compute(tmp_path):
     assert len(row) == 1
     assert row["distill_token_passes"].iloc[0] == 1024
     assert row["label"].iloc[0].endswith("+ layer-wise distillation")
+    # the order is the rows' own, not their folders': runs read in another order give the same table
+    assert list(view.loc[view["label"] == "smollm2-135m: FT full attention", "heldout_ppl"]) == [20.0, 30.0]
+    assert perplexity_view(aggregate.runs.iloc[::-1]).equals(view)
 
 
 def _recovery_run(root: Path, name: str, *, ppl: float, avg: float | None, train: dict | None,

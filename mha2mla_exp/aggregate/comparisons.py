@@ -1,7 +1,7 @@
 """Comparisons the paper's tables do not hold, made from the same rows and statistics (`tables`, `paired`):
 
 - `pairwise(runs, experiment, suite)`: every pair of one experiment's rows scored on the same docs, each
-  difference with its paired 95% interval (the headline comparison of REPORT.md);
+  difference with its paired 95% interval;
 - `dtype_check(runs)`: one model on the same docs evaluated in two dtypes: how many per-document answers
   agree, and the paired difference of the scores (what bf16 evaluation changes).
 """
@@ -18,7 +18,7 @@ from .records import COMMONSENSE, METHODS, ROW_KEYS
 from .render import eval_docs_label, row_label
 from .tables import TableSpec, _key, _samples, delta, row_cells, rows_of_ours
 
-_ALL = {suite: TableSpec("all", "", suite, lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
+_ALL = {suite: TableSpec(suite, lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
         for suite in ("commonsense", "long_context")}
 
 
@@ -28,7 +28,9 @@ def _ok(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _label(row) -> str:
     key = row.key
-    return row_label(key) if key["method"] == "original" else f"{row_label(key)} @ {int(key['train_tokens'] or 0):,} tokens"
+    if key["method"] == "original":
+        return row_label(key)
+    return f"{row_label(key)} @ {int(key['train_tokens'] or 0):,} tokens"
 
 
 def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") -> pd.DataFrame:

@@ -18,9 +18,12 @@ strata (lm-eval's leaf tasks: one per MMLU subject, one per other task).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -95,10 +98,13 @@ def doc_values(frames: Sequence[pd.DataFrame], spec: ScoreSpec) -> pd.DataFrame:
 
 def same_documents(a: pd.DataFrame, b: pd.DataFrame) -> bool:
     """True when two `doc_values` frames cover exactly the same documents (ids and, where known, text hashes)."""
-    if not a.index.sort_values().equals(b.index.sort_values()):
+    layout_a, layout_b = _layout(a.index), _layout(b.index)
+    if layout_a.documents != layout_b.documents:
         return False
-    ha, hb = a["doc_hash"], b["doc_hash"].reindex(a.index)
-    known = ha.notna() & hb.notna()
+    ha = a["doc_hash"].to_numpy(dtype=object)
+    hb = b["doc_hash"] if layout_b.ordered == layout_a.ordered else b["doc_hash"].reindex(a.index)
+    hb = hb.to_numpy(dtype=object)
+    known = pd.notna(ha) & pd.notna(hb)
     return bool((ha[known] == hb[known]).all())
 
 
@@ -120,30 +126,131 @@ def point_scores(values: pd.DataFrame, spec: ScoreSpec) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- bootstrap
-def _strata(diff: pd.Series):
-    """(column, docs' values) per stratum: each task of a column, its single-doc tasks pooled into one."""
-    singles: dict[str, list[np.ndarray]] = {}
-    for (column, _task), group in diff.groupby(level=["column", "task"], sort=True):
-        x = group.to_numpy(dtype=float)
-        if len(x) == 1:
-            singles.setdefault(column, []).append(x)
+@dataclass(frozen=True)
+class _Layout:
+    """What pairing and resampling need of a (column, task, doc_id) index, worked out once per index."""
+
+    ordered: str      # a digest of its documents in their order: two indexes alike need no reindexing
+    documents: str    # a digest of the same documents, order aside
+    strata: tuple[tuple[str, np.ndarray], ...]   # (column, positions of its docs) per stratum, `_strata`'s order
+
+
+_LAYOUTS: dict[int, tuple[weakref.ref, _Layout]] = {}   # id(index) -> (the index, its layout)
+
+
+def _layout(index: pd.MultiIndex) -> _Layout:
+    """`index`'s layout; pandas indexes never change, so it is kept for as long as the index lives."""
+    known = _LAYOUTS.get(id(index))
+    if known is not None and known[0]() is index:
+        return known[1]
+    ids = ["\x1f".join(map(str, key)) for key in index]
+    layout = _Layout(hashlib.sha256("\x1e".join(ids).encode()).hexdigest(),
+                     hashlib.sha256("\x1e".join(sorted(ids)).encode()).hexdigest(), _strata(index))
+    if len(_LAYOUTS) > 4096:   # dead entries of long sessions (tests): start over
+        _LAYOUTS.clear()
+    _LAYOUTS[id(index)] = (weakref.ref(index), layout)
+    return layout
+
+
+def _strata(index: pd.MultiIndex) -> tuple[tuple[str, np.ndarray], ...]:
+    """(column, positions of its docs) per stratum: each task of a column, its single-doc tasks pooled into one
+    (a stratum of one doc never varies). Strata in (column, task) order, then the pooled ones; docs in their order
+    in `index` (pandas' groupby order)."""
+    column_codes, columns = pd.factorize(index.get_level_values("column"), sort=True)
+    task_codes, _ = pd.factorize(index.get_level_values("task"), sort=True)
+    order = np.lexsort((task_codes, column_codes))   # stable: a stratum keeps its docs' order
+    keys = np.stack([column_codes[order], task_codes[order]])
+    starts = np.flatnonzero(np.r_[True, (keys[:, 1:] != keys[:, :-1]).any(axis=0)])
+    strata, singles = [], {}
+    for start, end in zip(starts, np.r_[starts[1:], len(order)]):
+        column = str(columns[column_codes[order[start]]])
+        if end - start == 1:
+            singles.setdefault(column, []).append(order[start:end])
         else:
-            yield column, x
-    for column, xs in singles.items():
-        yield column, np.concatenate(xs)
+            strata.append((column, order[start:end]))
+    return tuple(strata + [(column, np.concatenate(positions)) for column, positions in singles.items()])
 
 
-def _bootstrap_column_means(diff: pd.Series, n_boot: int, seed: int) -> dict[str, np.ndarray]:
-    """Per column, `n_boot` resampled means of `diff` (docs resampled within each stratum, `_strata`)."""
+@lru_cache(maxsize=8)
+def resample_counts(sizes: tuple[int, ...], n_boot: int, seed: int) -> tuple[np.ndarray, ...]:
+    """Per stratum of `sizes` docs, how often each doc is drawn in each of `n_boot` resamples: (size x n_boot),
+    read-only, in the smallest unsigned type that holds them (a count rarely passes 10).
+
+    The draws depend on nothing but the strata's sizes, their order and the seed, so every contrast over the same
+    documents shares them: drawn once here, not once per contrast (drawing them was nearly all of the
+    aggregate's time). Drawn in the same order from one generator, they are the very draws each contrast made
+    on its own, so the intervals are the same to the last digit."""
     rng = np.random.default_rng(seed)
+    counts = []
+    for n in sizes:
+        draws = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)
+        dtype = np.uint8 if draws.max() <= np.iinfo(np.uint8).max else np.uint16 if n <= np.iinfo(np.uint16).max \
+            else np.int64
+        compact = np.ascontiguousarray(draws.T, dtype=dtype)
+        compact.flags.writeable = False   # shared by every caller
+        counts.append(compact)
+    return tuple(counts)
+
+
+def _dyadic_scale(values: np.ndarray, most: int = 16) -> float | None:
+    """The least 2**k (k <= `most`) that makes every value an integer, where the integers stay far below 2**53
+    (then every sum of counts times values is exact, whatever the order of its terms); None otherwise (a mean
+    over three seeds, a NaN)."""
+    if not len(values) or not np.isfinite(values).all():
+        return None
+    for k in range(most + 1):
+        scaled = values * 2.0 ** k
+        if np.array_equal(scaled, np.rint(scaled)):
+            return 2.0 ** k if np.abs(scaled).max() * len(values) < 2.0 ** 40 else None
+    return None
+
+
+def _bootstrap_column_means(values: np.ndarray, layout: _Layout, n_boot: int, seed: int) -> dict[str, np.ndarray]:
+    """Per column, `n_boot` resampled means of `values` (docs resampled within each stratum of `layout`).
+
+    A resample's sum is sum over docs of count x value. Per-document values are nearly always multiples of a
+    power of two (0/1 scores, their differences, means over two seeds): the sums are then exact integers over a
+    power of two, summed here in integers over the docs with a non-zero value, a fraction of the memory traffic
+    of the float product and the very same numbers. Other values take the float product as always."""
+    counts = resample_counts(tuple(len(positions) for _, positions in layout.strata), n_boot, seed)
+    scale = _dyadic_scale(values)
     sums: dict[str, np.ndarray] = {}
-    counts: dict[str, int] = {}
-    for column, x in _strata(diff):
-        n = len(x)
-        draws = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)  # how often each doc is drawn
-        sums[column] = sums.get(column, 0.0) + draws @ x
-        counts[column] = counts.get(column, 0) + n
-    return {c: sums[c] / counts[c] for c in sums}
+    n_docs: dict[str, int] = {}
+    for (column, positions), draws in zip(layout.strata, counts):
+        x = values[positions]
+        if scale is None:
+            total = np.ascontiguousarray(draws.T, dtype=float) @ x
+        else:
+            units = np.rint(x * scale).astype(np.int64)
+            total = np.zeros(n_boot, dtype=np.int64)
+            for unit in np.unique(units[units != 0]):
+                total += unit * draws[units == unit].sum(axis=0, dtype=np.int64)
+        sums[column] = sums.get(column, 0) + total
+        n_docs[column] = n_docs.get(column, 0) + len(x)
+    if scale is not None:
+        sums = {c: total / scale for c, total in sums.items()}   # exact: the integers are far below 2**53
+    return {c: sums[c] / n_docs[c] for c in sums}
+
+
+_BOUNDS: dict[bytes, dict[str, tuple[float, float]]] = {}   # a resampling's percentile bounds, by its inputs
+
+
+def _percentile_bounds(values: np.ndarray, layout: _Layout, spec: ScoreSpec, n_boot: int, seed: int,
+                       level: float) -> dict[str, tuple[float, float]]:
+    """(low, high) of every reported column's resampled score. One table's contrast is often another's (a row
+    against the original in a grid and in a pairwise table): the bounds are kept by a digest of everything they
+    depend on, so each is resampled once."""
+    key = hashlib.sha256(values.tobytes() + repr((layout.ordered, spec.reported, n_boot, seed, level)).encode())
+    known = _BOUNDS.get(key.digest())
+    if known is None:
+        resampled = _combine(_bootstrap_column_means(values, layout, n_boot, seed), spec)
+        tail = 100 * (1 - level) / 2
+        known = {name: (float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail)))
+                 for name, r in resampled.items()}
+        if len(_BOUNDS) > 65536:
+            _BOUNDS.clear()
+        _BOUNDS[key.digest()] = known
+    return known
 
 
 @dataclass(frozen=True)
@@ -178,23 +285,25 @@ def paired_contrast(plus: Sequence[pd.DataFrame], minus: Sequence[pd.DataFrame],
     if not frames or any(not same_documents(frames[0], other) for other in frames[1:]):
         raise ValueError("paired_contrast: the rows were evaluated on different documents")
     index = frames[0].index
-    diff = sum(f["value"].reindex(index) for f in plus) - sum(f["value"].reindex(index) for f in minus)
-    estimate = _combine(_column_means(pd.DataFrame({"value": diff})), spec)
-    resampled = _combine(_bootstrap_column_means(diff, n_boot, seed), spec)
-    tail = 100 * (1 - level) / 2
-    return {name: Interval(estimate[name], float(np.percentile(resampled[name], tail)),
-                           float(np.percentile(resampled[name], 100 - tail)), "paired bootstrap")
-            for name in estimate}
+    layout = _layout(index)
+
+    def aligned(frame: pd.DataFrame) -> np.ndarray:
+        same_order = _layout(frame.index).ordered == layout.ordered
+        return (frame["value"] if same_order else frame["value"].reindex(index)).to_numpy(dtype=float)
+
+    diff = sum(aligned(f) for f in plus) - sum(aligned(f) for f in minus)
+    estimate = _combine(_column_means(pd.DataFrame({"value": diff}, index=index)), spec)
+    bounds = _percentile_bounds(diff, layout, spec, n_boot, seed, level)
+    return {name: Interval(estimate[name], *bounds[name], "paired bootstrap") for name in estimate}
 
 
 def bootstrap_scores(values: pd.DataFrame, spec: ScoreSpec, *, n_boot: int = N_BOOTSTRAP,
                      seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
     """Every reported column's score with its percentile bootstrap interval (docs resampled within tasks)."""
     estimate = point_scores(values, spec)
-    resampled = _combine(_bootstrap_column_means(values["value"], n_boot, seed), spec)
-    tail = 100 * (1 - level) / 2
-    return {name: Interval(estimate[name], float(np.percentile(resampled[name], tail)),
-                           float(np.percentile(resampled[name], 100 - tail)), "bootstrap") for name in estimate}
+    bounds = _percentile_bounds(values["value"].to_numpy(dtype=float), _layout(values.index), spec, n_boot, seed,
+                                level)
+    return {name: Interval(estimate[name], *bounds[name], "bootstrap") for name in estimate}
 
 
 # ---------------------------------------------------------------- without per-document results

@@ -207,3 +207,15 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
             "verdict": verdict,
         })
     return pd.DataFrame.from_records(records)
+
+
+PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "precision", "distill_token_passes", "convert_s",
+                      "distill_s", "train_s", "kv_mem_change_pct", "heldout_ppl")
+
+
+def perplexity_view(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every ok run with its held-out perplexity and the compute it took, grouped by experiment. Rows are ordered
+    by what they show (experiment, label, then the numbers), never by run folder names, which may change."""
+    ok = runs[runs["status"] == "ok"] if len(runs) else runs
+    columns = [c for c in PERPLEXITY_COLUMNS if c in runs.columns]
+    return ok.loc[:, columns].sort_values(columns, kind="stable").reset_index(drop=True)

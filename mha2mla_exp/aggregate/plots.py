@@ -3,6 +3,7 @@ so callers can test the axes and series or save them with `save_figure`."""
 
 from __future__ import annotations
 
+import io
 import re
 import textwrap
 from pathlib import Path
@@ -12,6 +13,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
+from .files import write_bytes
 from .records import recovery_recipe, variant_label
 from .render import TASK_NAMES, eval_docs_label
 
@@ -19,13 +21,20 @@ AVG_LABEL = "Avg commonsense score (points)"
 _LONG_CONTEXT_KEY = re.compile(r"^long_context\.(?P<task>.+)@(?P<length>\d+)$")
 
 
+# no creation date in a PDF (the only thing that changed between two renderings of the same figure)
+SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}}
+
+
+def figure_bytes(figure: Figure, fmt: str) -> bytes:
+    """The figure as `fmt` (png | pdf) bytes, the same bytes for the same figure: 150 dpi, tight bounding box."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=fmt, dpi=150, bbox_inches="tight", metadata=SAVE_METADATA[fmt])
+    return buffer.getvalue()
+
+
 def save_figure(figure: Figure, out_dir: Path, name: str) -> list[Path]:
-    """`name`.png and `name`.pdf under `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
-    for path in paths:
-        figure.savefig(path, dpi=150, bbox_inches="tight")
-    return paths
+    """`name`.png and `name`.pdf under `out_dir` (a file left alone when it holds these bytes already)."""
+    return [write_bytes(Path(out_dir) / f"{name}.{fmt}", figure_bytes(figure, fmt)) for fmt in SAVE_METADATA]
 
 
 def _ours_name(ours_model, model) -> str:
@@ -36,7 +45,8 @@ def _series_name(group: pd.DataFrame, model) -> str:
     """One series of ours: a model at one budget on one doc sample."""
     first = group.iloc[0]
     docs = eval_docs_label(first)
-    return f"{_ours_name(first['ours_model'], model)}, {int(first['train_tokens']):,} tokens" + (f", {docs}" if docs else "")
+    name = f"{_ours_name(first['ours_model'], model)}, {int(first['train_tokens']):,} tokens"
+    return name + (f", {docs}" if docs else "")
 
 
 def _empty_note(ax, text: str) -> None:
@@ -140,7 +150,8 @@ def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -
         for _, group in _ours_series(in_model):
             if group["avg"].notna().any():
                 by = group.groupby("strategy", sort=False)
-                series[_series_name(group, model)] = (by["avg"].first(), (by["avg_low"].first(), by["avg_high"].first()))
+                interval = (by["avg_low"].first(), by["avg_high"].first())
+                series[_series_name(group, model)] = (by["avg"].first(), interval)
         width = 0.8 / len(series)
         x = np.arange(len(categories))
         for i, (label, (values, interval)) in enumerate(series.items()):
@@ -294,8 +305,9 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
             for row, value in ((0, ref["heldout_ppl"]), (1, ref["avg"])):
                 if not pd.isna(value):
                     axes[row, col].axhline(value, ls=":", color="grey")
-                    axes[row, col].annotate(ref["label"].split(": ", 1)[-1], (0, value), xycoords=("axes fraction", "data"),
-                                            fontsize="x-small", color="grey", va="bottom")
+                    axes[row, col].annotate(ref["label"].split(": ", 1)[-1], (0, value),
+                                            xycoords=("axes fraction", "data"), fontsize="x-small", color="grey",
+                                            va="bottom")
     for col, xlabel in enumerate(("compute: wall seconds (distillation + fine-tune)",
                                   "tokens: fine-tune tokens + distillation token passes")):
         axes[0, col].set_yscale("log")
@@ -371,8 +383,9 @@ SCORE_VERDICT_COLORS = {"B lower": "C3", "B higher": "C2", "not resolved": "grey
 
 def score_deltas_vs(pairs: pd.DataFrame, reference: str, title: str, target: float | None = None) -> Figure:
     """`pairwise`'s Avg deltas of every row against one `reference` row (A) as a forest plot: B − A in points with
-    its paired bootstrap 95 % interval, coloured by verdict, best on top; `target`: a dashed line (e.g. the -2-point goal)."""
-    rows = pairs[pairs["A"] == reference].sort_values("avg_delta", ascending=False).reset_index(drop=True) if len(pairs) else pairs
+    its paired bootstrap 95 % interval, coloured by verdict, best on top; `target`: a dashed line (a goal)."""
+    rows = pairs[pairs["A"] == reference] if len(pairs) else pairs
+    rows = rows.sort_values("avg_delta", ascending=False).reset_index(drop=True) if len(rows) else rows
     labels = [f"{r['B']}  ({r['eval docs']})" for _, r in rows.iterrows()] if len(rows) else []
     figure = Figure(figsize=(6 + 0.05 * max(map(len, labels), default=0), 1.5 + 0.3 * max(len(rows), 4)))
     ax = figure.subplots()
@@ -407,7 +420,8 @@ def scores_vs_recovery_ppl(pairs: pd.DataFrame, reference: str, title: str,
     x = rows["B recovery text ppl"].astype(float).to_numpy()
     for ax, column in zip(axes, columns):
         y = rows[f"{column}_delta"].astype(float)
-        errors = np.vstack([(y - rows[f"{column}_delta_low"]).clip(lower=0), (rows[f"{column}_delta_high"] - y).clip(lower=0)])
+        errors = np.vstack([(y - rows[f"{column}_delta_low"]).clip(lower=0),
+                            (rows[f"{column}_delta_high"] - y).clip(lower=0)])
         ax.errorbar(x, y, yerr=errors, fmt="o", color="tab:blue", ecolor="tab:blue", alpha=0.8, capsize=2)
         for i, (xi, yi) in enumerate(zip(x, y), start=1):
             ax.annotate(str(i), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize="x-small")
@@ -415,7 +429,8 @@ def scores_vs_recovery_ppl(pairs: pd.DataFrame, reference: str, title: str,
         ax.set_xscale("log")
         for axis_ticks in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
             axis_ticks(FormatStrFormatter("%g"))  # 20, 30, 40 rather than 2x10^1
-        ax.set_title(("Avg" if column == "avg" else TASK_NAMES.get(column, column)) + f" − {reference}", fontsize="small")
+        name = "Avg" if column == "avg" else TASK_NAMES.get(column, column)
+        ax.set_title(f"{name} − {reference}", fontsize="small")
         ax.set_xlabel("held-out ppl on the recovery text")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("points; bar: paired bootstrap 95 %")

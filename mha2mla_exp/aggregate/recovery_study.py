@@ -1,7 +1,7 @@
 """Recovery recipes side by side at equal compute (the recovery study of issue 14).
 
-One row per ok converted run of an experiment in `RECOVERY_EXPERIMENTS`: its recipe (objective, trainable
-parameters, lr, the precision it trained in, layer-wise distillation first or not), the compute it spent
+One row per ok converted run of a recovery experiment (a `kinds.RecoveryStudy` entry): its recipe (objective,
+trainable parameters, lr, the precision it trained in, layer-wise distillation first or not), the compute it spent
 (wall seconds of distillation + fine-tune, probes excluded; tokens), its held-out perplexity along its probe
 curve read at a common budget of seconds (the shortest run's: log-linear between probes), its final
 held-out perplexity, and its commonsense Avg with a paired 95% interval against the paper's recipe (plain
@@ -27,7 +27,6 @@ from .comparisons import _ALL, same_docs
 from .records import recovery_recipe
 from .tables import Row, contrast, delta, rows_of_ours
 
-RECOVERY_EXPERIMENTS = ("recovery_study", "teacher_recovery")
 REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
                    # on the run's own corpus; per conversion where an experiment has several
 
@@ -168,7 +167,8 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
     same documents, as (KV saving, conversion, recovery) -> Avg − original with its paired 95 % interval.
     `recovery` is the data and objective ("ce on teacher-samples"); `differs` names what else sets a row apart
     from its recovery's usual recipe in this experiment (the most common tokens, lr and trainable parameters of
-    its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is not read as a grid cell."""
+    its objective, the most common recovery set of its text), so that a control (longer, attention only, ...) is
+    not read as a grid cell."""
     rows = scored_rows(runs, experiment) if rows is None else rows
     original = _original(rows)
     tuned = [r for r in rows if r is not original and (r.runs[0].get("train_tokens") or 0) > 0]
@@ -183,13 +183,15 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
         recovered_on = run["train_data"] if isinstance(run.get("train_data"), str) else run.get("data")
         records.append({
             "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
-            "conversion": conversion_label(run) if run["method"] == "partial_rope+svd" else "full attention (unconverted)",
+            "conversion": conversion_label(run) if run["method"] == "partial_rope+svd"
+            else "full attention (unconverted)",
             "recovery": f"{run['objective']} on {str(recovered_on).split(' (')[0]}",
             "recovery set": recovered_on, "own corpus": not isinstance(run.get("train_data"), str),
             "objective": run["objective"], "tokens": int(run["train_tokens"]),
             "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
             "seeds": len(row.runs), "avg": row.scores.get("avg"),
-            "delta": diff.estimate, "low": diff.low, "high": diff.high, "resolved": diff.resolved, "run_dir": run["run_dir"]})
+            "delta": diff.estimate, "low": diff.low, "high": diff.high, "resolved": diff.resolved,
+            "run_dir": run["run_dir"]})
     grid = pd.DataFrame.from_records(records)
     # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
     usual = pd.DataFrame({column: grid.groupby(by)[column].transform(lambda s: s.mode(dropna=False).iloc[0])
@@ -197,7 +199,8 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
                                              ("trainable", "objective"), ("recovery set", "recovery"))})
     grid["differs"] = [_differs(row, expected) for row, expected in
                        zip(grid.to_dict("records"), usual.to_dict("records"))]
-    return grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True]).reset_index(drop=True)
+    grid = grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True])
+    return grid.reset_index(drop=True)
 
 
 def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
@@ -241,20 +244,23 @@ def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFram
     for (saving, conversion), group in usual.groupby(["kv saving %", "conversion"], sort=False):
         common = group["precision"].mode(dropna=False).iloc[0]
         preferred = group.assign(_other=group["precision"] != common).sort_values("_other")
-        cells[(saving, conversion)] = {r["recovery"]: r for r in preferred.drop_duplicates("recovery").to_dict("records")}
+        cells[(saving, conversion)] = {r["recovery"]: r
+                                       for r in preferred.drop_duplicates("recovery").to_dict("records")}
     records = []
     for name, recovery, baseline in _contrasts(usual):
         having = sorted((key for key, row in cells.items() if recovery in row and baseline in row
                          and all(scored[row[r]["run_dir"]].values is not None for r in (recovery, baseline))),
                         key=lambda key: (-key[0], key[1]))
-        pair = {key: (scored[cells[key][recovery]["run_dir"]], scored[cells[key][baseline]["run_dir"]]) for key in having}
+        pair = {key: (scored[cells[key][recovery]["run_dir"]], scored[cells[key][baseline]["run_dir"]])
+                for key in having}
         at = {key: contrast([one], [zero])["avg"] for key, (one, zero) in pair.items()}   # once per row, not per pair
         for a, b in combinations(having, 2):
             (a1, a0), (b1, b0) = pair[a], pair[b]
             interaction = contrast([a1, b0], [a0, b1])["avg"]
             precisions = {cells[key][r]["precision"] for key in (a, b) for r in (recovery, baseline)}
             records.append({
-                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1], "at a": _interval_text(at[a], " n.r."),
+                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1],
+                "at a": _interval_text(at[a], " n.r."),
                 "kv saving % (b)": b[0], "conversion (b)": b[1], "at b": _interval_text(at[b], " n.r."),
                 "a − b [95% CI]": _interval_text(interaction, " n.r."), "estimate": interaction.estimate,
                 "low": interaction.low, "high": interaction.high, "resolved": interaction.resolved,

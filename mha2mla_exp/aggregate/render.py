@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from .files import write_text
 from .records import recipe_label
 
+CI_NAMES = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}
 TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA",
               "winogrande": "WG"}
 
@@ -27,6 +29,11 @@ def _interval(estimate, low, high) -> str:
     if _missing(low):
         return _num(estimate)
     return f"{_num(estimate)} [{_num(low)}, {_num(high)}]"
+
+
+def _delta(row, column: str) -> str:
+    """A row's `column`_delta with its interval."""
+    return _interval(row.get(f"{column}_delta"), row.get(f"{column}_delta_low"), row.get(f"{column}_delta_high"))
 
 
 def _tokens(value) -> str:
@@ -94,7 +101,8 @@ def _kv_cache(row) -> str:
     dtype = "" if _missing(row.get("kv_dtype")) else row["kv_dtype"]
     if quant in (None, "unquantized"):
         return dtype
-    details = [d for d in (dtype, f"{row['kv_grouping']} groups" if isinstance(row.get("kv_grouping"), str) else "") if d]
+    groups = f"{row['kv_grouping']} groups" if isinstance(row.get("kv_grouping"), str) else ""
+    details = [d for d in (dtype, groups) if d]
     return f"{quant} ({'; '.join(details)})" if details else quant
 
 
@@ -119,7 +127,7 @@ def main_view(table: pd.DataFrame, by_precision: bool = False, with_kv_memory: b
         line["Avg ±95%"] = _avg(row)
         line["Δ [95% CI]"] = _interval(row.get("avg_delta"), row.get("avg_delta_low"), row.get("avg_delta_high"))
         line["vs"] = row.get("vs") or ""
-        line["CI"] = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}.get(row.get("ci"), "")
+        line["CI"] = CI_NAMES.get(row.get("ci"), "")
         line["verdict"] = row.get("verdict") if row.get("n_seeds") else ""
         if "longbench_avg" in table and table["longbench_avg"].notna().any():
             line["LongBench Avg"] = _num(row.get("longbench_avg"))
@@ -144,7 +152,7 @@ def task_views(table: pd.DataFrame, tasks: list[str], paper_tasks: bool = True) 
             name = TASK_NAMES.get(task, task)
             paper = row.get(f"{task}_paper") if paper_tasks else None
             score[name] = _num(row.get(task)) + ("" if _missing(paper) else f" / {_num(paper, 2)}")
-            delta[name] = _interval(row.get(f"{task}_delta"), row.get(f"{task}_delta_low"), row.get(f"{task}_delta_high"))
+            delta[name] = _delta(row, task)
         delta["vs"] = row.get("vs") or ""
         scores.append(score)
         deltas.append(delta)
@@ -201,23 +209,30 @@ def _tabular(text: pd.DataFrame) -> str:
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}", ""])
 
 
-def write_views(out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "", note: str = "") -> list[Path]:
-    """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.md", out_dir / f"{name}.tex"]
+def views_text(views: dict[str, pd.DataFrame], title: str = "", note: str = "") -> tuple[str, str]:
+    """(Markdown, LaTeX) of `views` ({heading: frame}) one after the other, Markdown under `title` and `note`."""
     header = [f"# {title}" if title else "", note]
     body = [(f"## {heading}\n\n" if heading else "") + to_markdown(view) for heading, view in views.items()]
-    paths[0].write_text("\n\n".join(part for part in header + body if part) + "\n")
-    paths[1].write_text("\n".join((f"% {heading}\n" if heading else "") + to_latex(view)
-                                  for heading, view in views.items()))
-    return paths
+    markdown = "\n\n".join(part for part in header + body if part) + "\n"
+    latex = "\n".join((f"% {heading}\n" if heading else "") + to_latex(view) for heading, view in views.items())
+    return markdown, latex
+
+
+def write_views(out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "",
+                note: str = "") -> list[Path]:
+    """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
+    markdown, latex = views_text(views, title, note)
+    return [write_text(Path(out_dir) / f"{name}.md", markdown), write_text(Path(out_dir) / f"{name}.tex", latex)]
+
+
+def write_csv(table: pd.DataFrame, path: Path) -> Path:
+    """The full frame as CSV (no index)."""
+    return write_text(path, table.to_csv(index=False))
 
 
 def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", note: str = "") -> list[Path]:
     """`name`.csv, `name`.md and `name`.tex under `out_dir` showing `table` as it is."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out_dir / f"{name}.csv", index=False)
-    return [out_dir / f"{name}.csv"] + write_views(out_dir, name, {"": table}, title, note)
+    return [write_csv(table, Path(out_dir) / f"{name}.csv")] + write_views(out_dir, name, {"": table}, title, note)
 
 
 def perplexity_pairs_view(pairs: pd.DataFrame) -> pd.DataFrame:
@@ -232,12 +247,10 @@ def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFr
     for row in pairs.to_dict("records"):
         head = {"B": row["B"], "A": row["A"], "eval docs": row["eval docs"]}
         main.append(head | {"Avg B": _avg(row), "Avg A": _num(row["A avg"]),
-                            "Δ B − A [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"]),
-                            "CI": {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}.get(row.get("ci"), ""),
+                            "Δ B − A [95% CI]": _delta(row, "avg"), "CI": CI_NAMES.get(row.get("ci"), ""),
                             "verdict": row.get("verdict") or ""})
         per_task.append({"B": row["B"], "A": row["A"]} | {
-            TASK_NAMES.get(t, t): _interval(row.get(f"{t}_delta"), row.get(f"{t}_delta_low"), row.get(f"{t}_delta_high"))
-            for t in tasks})
+            TASK_NAMES.get(t, t): _delta(row, t) for t in tasks})
     return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
 
 

@@ -1,13 +1,15 @@
-"""The paper's Tables 1, 2, 3 and 5, our runs beside its numbers, every number of ours with its uncertainty.
+"""Tables of the paper's kind (its Tables 1, 2, 3 and 5: `kinds.PaperTable` entries of the catalog), our runs
+beside its numbers, every number of ours with its uncertainty. A `TableSpec` says which rows a table holds.
 
 A row of ours is one (configuration, budget, evaluation sample) triple (`records.ROW_KEYS`): fine-tune
 tokens and the documents scored are columns, so runs that differ in either are never merged. Runs that
 differ only in their seed are one row: the mean over seeds, their spread, and each seed counted once.
 
 Every row is compared with its baseline on the same documents:
-- Tables 1, 3, 5: a converted model against the full-attention model fine-tuned on the same tokens (the
-  original model when neither was fine-tuned); the full-attention fine-tune against the original;
-- Table 2: every row against the original model with an unquantized cache (the paper's convention).
+- by default (Tables 1, 3, 5): a converted model against the full-attention model fine-tuned on the same tokens
+  (the original model when neither was fine-tuned); the full-attention fine-tune against the original;
+- `by_precision` (Table 2): every row against the original model with an unquantized cache (the paper's
+  convention).
 The baseline must share the model, data, evaluation sample and evaluation dtype; otherwise there is no
 delta. With per-document results on both sides the interval is a paired bootstrap (`paired.py`); without,
 an unpaired binomial one, marked so. A delta whose 95% interval contains 0 is "not resolved".
@@ -24,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from . import paired
-from .records import COMMONSENSE, LONGBENCH, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
+from .records import COMMONSENSE, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
 from .reference import paper_commonsense, paper_longbench
 
 UNCONVERTED = ("original", "finetuned_full_attention")
@@ -34,17 +36,17 @@ NOT_RESOLVED = "not resolved"
 
 @dataclass(frozen=True)
 class TableSpec:
-    name: str
-    title: str
+    """Which rows (ours and the paper's) a table of the paper's kind holds, and how our rows are scored."""
+
     suite: str                                   # commonsense | long_context: where our score comes from
     select: Callable[[pd.DataFrame], pd.Series]  # rows (ours and the paper's) that belong to the table
     paper_score: str                             # the paper's headline column: avg | longbench.avg
     paper_tasks: tuple[str, ...]
+    paper_table: int | None = None               # the paper's table whose rows stand beside ours (None: none)
     by_precision: bool = False                   # rows per KV quantization; baseline the unquantized original
     with_kv_memory: bool = False
     extras: dict[str, str] = field(default_factory=dict)  # canonical column -> table column: ours, mean over
     #                                                       seeds, no interval (a row may have only these)
-    note: str = ""
 
     @property
     def score(self) -> str:
@@ -77,15 +79,15 @@ def _table1_mla(frame):
         & _default_r(frame)
 
 
-def _select_table1(frame):
+def select_table1(frame):
     return _unquantized(frame) & (frame["method"].isin(UNCONVERTED) | _table1_mla(frame))
 
 
-def _select_table2(frame):
+def select_table2(frame):
     return frame["method"].isin(UNCONVERTED) | _table1_mla(frame)
 
 
-def _select_table3(frame):
+def select_table3(frame):
     # Table 3 fixes r = d_h/16 and, for the SVD rows, d_kv = d_h/4 (16 for SmolLM)
     partial = (frame["method"] == "partial_rope") & _default_r(frame)
     low_rank = ((frame["method"] == "partial_rope+svd") & _default_r(frame)
@@ -93,34 +95,8 @@ def _select_table3(frame):
     return _unquantized(frame) & (frame["method"].isin(UNCONVERTED) | partial | low_rank)
 
 
-def _select_table5(frame):
+def select_table5(frame):
     return _unquantized(frame) & frame["method"].isin(UNCONVERTED + ("partial_rope",))
-
-
-_BASELINE_NOTE = ("Baseline (column vs): a converted model against the full-attention model fine-tuned on the same "
-                  "tokens (the original when neither was fine-tuned); the full-attention fine-tune against the "
-                  "original. ")
-TABLES = {
-    "table1": TableSpec(
-        "table1", "Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv", "commonsense",
-        _select_table1, "avg", COMMONSENSE, with_kv_memory=True,
-        note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + _BASELINE_NOTE),
-    "table2": TableSpec(
-        "table2", "Table 2: long context by KV-cache precision", "long_context", _select_table2, "longbench.avg",
-        LONGBENCH, by_precision=True, with_kv_memory=True, extras={"longbench.avg": "longbench_avg"},
-        note="Ours: passkey retrieval (offline long-context suite; LongBench Avg beside where a run has it), the "
-             "paper's: LongBench. Every row against the "
-             "same model family's original with an unquantized cache. KV bytes are measured (residual "
-             "full-precision tokens and quantization scales included); the paper's KV memory is nominal, "
-             "against a BF16 cache."),
-    "table3": TableSpec(
-        "table3", "Table 3: partial-RoPE strategies, without and with SVD (joint vs split)", "commonsense",
-        _select_table3, "avg", COMMONSENSE,
-        note="r = d_h/16; SVD rows at d_kv = d_h/4. " + _BASELINE_NOTE),
-    "table5": TableSpec(
-        "table5", "Table 5: partial-RoPE strategies by r", "commonsense", _select_table5, "avg", COMMONSENSE,
-        note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + _BASELINE_NOTE),
-}
 
 
 # ---------------------------------------------------------------- rows of ours
@@ -152,7 +128,8 @@ def _samples(path: str) -> pd.DataFrame:
 
 
 def _passkey_columns(columns) -> list[str]:
-    lengths = sorted({c for c in columns if c.startswith("long_context.passkey@")}, key=lambda c: int(c.rsplit("@", 1)[1]))
+    lengths = sorted({c for c in columns if c.startswith("long_context.passkey@")},
+                     key=lambda c: int(c.rsplit("@", 1)[1]))
     return [c.removeprefix("long_context.") for c in lengths]
 
 
@@ -213,7 +190,8 @@ def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
             for key, runs in seeds_once(records, ROW_KEYS).items()}
     for row in rows.values():
         score_spec = row.spec = _row_spec(spec, row.runs[0])
-        columns = {name: _ours_column(spec, name) for name in score_spec.reported} | {v: k for k, v in spec.extras.items()}
+        columns = {name: _ours_column(spec, name) for name in score_spec.reported}
+        columns |= {v: k for k, v in spec.extras.items()}
         for name, column in columns.items():
             values = [r.get(column) for r in row.runs]
             values = [float(v) for v in values if v is not None and not pd.isna(v)]
@@ -238,7 +216,8 @@ def _points(interval: paired.Interval) -> paired.Interval:
 
 def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
-    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None, "distill_token_passes": None,
+    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None,
+                "distill_token_passes": None,
                 "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0,
                 "objective": None, "trainable": None, "lr": None, "warmup": None, "precision": None}
     if spec.by_precision:
@@ -385,7 +364,8 @@ def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> 
     interval, and per task the score and the difference (points)."""
     avg = row.intervals.get("avg")
     seed_scores = [float(r[score]) for r in row.runs if not pd.isna(r.get(score))]
-    cells = {"n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds), "per_doc": row.values is not None,
+    cells = {"n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds),
+             "per_doc": row.values is not None,
              "ci": diff["avg"].kind if "avg" in diff and diff["avg"].kind != "none" else None,
              "avg": row.scores.get("avg"), "avg_low": avg.low if avg else None, "avg_high": avg.high if avg else None,
              "avg_seed_sd": float(np.std(seed_scores, ddof=1)) if len(seed_scores) > 1 else None}
@@ -470,17 +450,13 @@ def _sorted(table: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
     return table.loc[order.sort_values(list(order.columns), kind="stable").index]
 
 
-def build_tables(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """All four tables from the canonical runs; with no runs they hold the paper's numbers only."""
-    commonsense, longbench = paper_commonsense(), paper_longbench()
-    paper_rows = {
-        "table1": (commonsense[commonsense["table"] == 1], commonsense),
-        "table2": (longbench, longbench),
-        "table3": (commonsense[commonsense["table"] == 3], commonsense),
-        "table5": (commonsense[commonsense["table"] == 5], commonsense),
-    }
-    return {name: build_table(spec, runs, paper_rows[name][0].copy(), paper_rows[name][1])
-            for name, spec in TABLES.items()}
+def paper_rows(spec: TableSpec) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The paper's rows of `spec`'s table, and all the paper's rows of its suite (where baselines are looked up);
+    empty when the table has no paper counterpart."""
+    every = paper_longbench() if spec.suite == "long_context" else paper_commonsense()
+    if spec.paper_table is None:
+        return every.iloc[0:0].copy(), every
+    return every[every["table"] == spec.paper_table].copy(), every
 
 
-__all__ = ["TABLES", "TableSpec", "build_table", "build_tables", "NOT_RESOLVED"]
+__all__ = ["TableSpec", "build_table", "paper_rows", "NOT_RESOLVED"]

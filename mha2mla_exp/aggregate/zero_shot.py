@@ -1,6 +1,6 @@
 """Conversions without fine-tuning, side by side at equal KV bytes per token (held-out perplexity).
 
-One table per experiment listed in `ZERO_SHOT_EXPERIMENTS`: its un-fine-tuned rows, grouped by the KV memory
+One table per zero-shot experiment (a `kinds.ZeroShot` entry): its un-fine-tuned rows, grouped by the KV memory
 they keep, each with its perplexity as a multiple of the original model's on the same held-out rows. These
 runs are single-seed and carry no interval: a conversion is deterministic given its calibration rows, and the
 perplexity is one number over a fixed set of held-out tokens.
@@ -14,9 +14,6 @@ from pathlib import Path
 import pandas as pd
 
 from .perplexity_pairs import held_out_rows, per_document_ratios, ratio_interval, resampling_unit
-
-ZERO_SHOT_EXPERIMENTS = ("rorope_zero_shot", "budget_zero_shot")
-
 
 def zero_shot_table(runs: pd.DataFrame, experiment: str) -> pd.DataFrame:
     rows = runs[(runs["experiment"] == experiment) & (runs["status"] == "ok")
@@ -70,17 +67,16 @@ def reference_conversions(folder: Path) -> pd.DataFrame:
 
 def budget_comparison(runs: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """Ours against the reference converter at equal cached elements per token and layer: every un-fine-tuned
-    conversion of ours with a joint latent (a fixed r/d_kv or a KV budget) at a total the reference measured.
-    Our elements per token and layer are the measured cache ratio times the original's cache. Where both sides
-    kept per-row NLLs of the same held-out rows, "ours / reference" is the perplexity ratio with its paired
-    bootstrap 95 % interval (documents resampled when the rows' documents are known), and resolved only when
-    the interval excludes 1 and every document agrees in direction."""
+    conversion in `runs` (the caller picks the experiments) with a joint latent (a fixed r/d_kv or a KV budget) at
+    a total the reference measured. Our elements per token and layer are the measured cache ratio times the
+    original's cache. Where both sides kept per-row NLLs of the same held-out rows, "ours / reference" is the
+    perplexity ratio with its paired bootstrap 95 % interval (documents resampled when the rows' documents are
+    known), and resolved only when the interval excludes 1 and every document agrees in direction."""
     if not len(reference):
         return pd.DataFrame()
     full = int(reference["_original_cache"].iloc[0])
     by_elements = {int(e): row for e, row in zip(reference["KV elements"], reference.to_dict("records"))}
-    ok = runs[(runs["status"] == "ok") & runs["train_tokens"].fillna(0).eq(0) & (runs["method"] == "partial_rope+svd")
-              & runs["experiment"].isin(ZERO_SHOT_EXPERIMENTS)]
+    ok = runs[(runs["status"] == "ok") & runs["train_tokens"].fillna(0).eq(0) & (runs["method"] == "partial_rope+svd")]
     records = []
     for run in ok.to_dict("records"):
         elements = int(round(full * (1 + run["kv_mem_change_pct"] / 100)))
