@@ -1,14 +1,16 @@
-"""Where the configs live and what composing them needs (the schema, two integer resolvers); config mappings as
-plain dicts, with a missing value reported under its config group."""
+"""Where the configs live and what composing them needs (the schema, two integer resolvers); a composed config
+(or any mapping) turned into the schema's typed dataclasses, once, with errors naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .schema.store import register as register_schema
 
@@ -21,6 +23,44 @@ if not OmegaConf.has_resolver("mla_div"):
 if not OmegaConf.has_resolver("mla_mul"):
     OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
 register_schema()  # conf/config.yaml composes onto the typed schema (mha2mla_exp/schema)
+
+T = TypeVar("T")
+
+
+def typed_section(cls: type[T], values: Any, group: str = "") -> T:
+    """`values` (a composed config or any mapping) as the schema's dataclass `cls` (RunConfig, or one section such
+    as TrainConfig under `group`): the schema's defaults for what it leaves out, its types and declared constraints
+    checked; ValueError naming the field. The one conversion into the typed config: at the runner's entry, and for
+    callers outside the runner (a benchmark, a test)."""
+    from .schema.fields import check_values
+
+    prefix = f"{group}." if group else ""
+    try:
+        section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except MissingMandatoryValue as err:
+        raise ValueError(f"{prefix}{err.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
+    except OmegaConfBaseException as err:
+        key, message = getattr(err, "full_key", None), str(err).split("\n")[0]
+        raise ValueError(f"{prefix}{key}: {message}" if key else message) from None
+    problems = _unknown_options(section, prefix) + check_values(section, prefix)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return section
+
+
+def _unknown_options(obj: Any, prefix: str) -> list[str]:
+    """Keys a config added with `+` beside a section's declared fields (composition lets them through, and the
+    typed object carries them as attributes): refused like any key the schema does not declare."""
+    if not dataclasses.is_dataclass(obj):
+        return []
+    declared = {f.name for f in dataclasses.fields(obj)}
+    problems = []
+    for key, value in vars(obj).items():
+        if key in declared:
+            problems += _unknown_options(value, f"{prefix}{key}.")
+        else:
+            problems.append(f"{prefix}{key}: not an option of {type(obj).__name__} (schema/sections.py)")
+    return problems
 
 
 def as_plain_dict(cfg: Any, group: str) -> dict:

@@ -8,17 +8,16 @@ import dataclasses
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from mha2mla_exp.schema.fields import is_observer
-from mha2mla_exp.schema.sections import TrainConfig
+from mha2mla_exp.schema.fields import check_values, is_observer
+from mha2mla_exp.schema.sections import ObjectiveConfig, TrainConfig
 from mha2mla_exp.train import build_objective, finetune, precision_for
 from mha2mla_exp.train.loss_head import ChunkedLoss, LogitsLoss, loss_head_for
-from mha2mla_exp.train.optimizer import adamw, optimizer_impl
+from mha2mla_exp.train.optimizer import adamw
 from tests.conftest import tiny_causal_lm
 from tests.test_train_recipe import rows, train_cfg
 
-OBJECTIVES = [{"name": "ce"}, {"name": "kd", "temperature": 2.0}, {"name": "ce+kd", "kd_weight": 0.3}]
+OBJECTIVES = [ObjectiveConfig("ce"), ObjectiveConfig("kd", temperature=2.0), ObjectiveConfig("ce+kd", kd_weight=0.3)]
 
 
 def loss_and_grads(model, loss_head, objective, batch, teacher=None, autocast=False):
@@ -33,7 +32,7 @@ def loss_and_grads(model, loss_head, objective, batch, teacher=None, autocast=Fa
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: o["name"])
+@pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: o.name)
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_chunked_loss_gives_the_plain_loss_and_gradients(objective, tie):
     model, teacher = tiny_causal_lm("gqa", tie=tie), tiny_causal_lm("gqa", seed=1, tie=tie).eval()
@@ -51,7 +50,7 @@ def test_chunked_loss_gives_the_plain_loss_and_gradients(objective, tie):
     assert plain[head].abs().sum() > 0 and plain["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES[::2], ids=lambda o: o["name"])
+@pytest.mark.parametrize("objective", OBJECTIVES[::2], ids=lambda o: o.name)
 def test_chunked_loss_under_bf16_autocast_matches_the_plain_path(objective):
     model, teacher = tiny_causal_lm("gqa"), tiny_causal_lm("gqa", seed=1).eval()
     batch = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -83,7 +82,7 @@ def test_recipe_trains_to_the_same_losses_on_either_path(tmp_path, mode):
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adamw_implementations_make_the_same_updates(impl, dtype):
-    cfg = OmegaConf.create({"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8})
+    lr = 1e-2
     reference = tiny_causal_lm("gqa").to(dtype)
     other = copy.deepcopy(reference)
     batch = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -91,7 +90,7 @@ def test_adamw_implementations_make_the_same_updates(impl, dtype):
     for name, model in (("loop", reference), (impl, other)):
         groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        optimizers[name] = adamw(groups, OmegaConf.merge(cfg, {"optimizer_impl": name}))
+        optimizers[name] = adamw(groups, TrainConfig(lr=lr, betas=[0.9, 0.95], eps=1e-8, optimizer_impl=name))
     for _ in range(3 if dtype == torch.float32 else 1):  # in bf16 a rounding apart changes the next gradient
         for name, model in (("loop", reference), (impl, other)):
             model(input_ids=batch, labels=batch).loss.backward()
@@ -99,7 +98,7 @@ def test_adamw_implementations_make_the_same_updates(impl, dtype):
             optimizers[name].zero_grad()
     # bf16 weights: fused computes the update in fp32 and rounds once, the loop rounds every term; they may differ
     # by the weight's last two bits (2 ** -6 relative) plus one step's size (lr)
-    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-6, "atol": cfg.lr}
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-6, "atol": lr}
     moved = 0
     for (name, a), b in zip(reference.named_parameters(), other.parameters()):
         assert torch.allclose(a.float(), b.float(), **tolerance), name
@@ -108,9 +107,8 @@ def test_adamw_implementations_make_the_same_updates(impl, dtype):
 
 
 def test_fast_path_settings_are_checked_and_stay_out_of_the_identity():
-    with pytest.raises(ValueError, match="train.optimizer_impl: unknown 'adam8bit'"):
-        optimizer_impl(OmegaConf.create({"optimizer_impl": "adam8bit"}))
-    assert optimizer_impl(OmegaConf.create({})) == "loop"  # a config from before the key: torch's CPU default
+    assert check_values(TrainConfig(optimizer_impl="adam8bit"), "train.") == [
+        "train.optimizer_impl: expected one of fused, foreach, loop, got 'adam8bit'"]   # the schema's, at entry
 
     class NoHead(torch.nn.Module):
         pass

@@ -95,6 +95,7 @@ def test_strategies_inits_statistics_and_objectives_share_one_registry_mechanism
     from mha2mla_exp.mla.calibration import STATISTICS, Statistic
     from mha2mla_exp.mla.lowrank_init import LowRankInit
     from mha2mla_exp.registry import Registered, Registry
+    from mha2mla_exp.schema.sections import ObjectiveConfig
     from mha2mla_exp.train import OBJECTIVES, build_objective
     from mha2mla_exp.train.objectives import Objective
 
@@ -111,6 +112,6 @@ def test_strategies_inits_statistics_and_objectives_share_one_registry_mechanism
             type("Impostor", (base,), {"name": taken, "__module__": __name__})
         with pytest.raises(ValueError, match=f"unknown {re.escape(field)}='no-such'"):
             registry.class_of("no-such")
-    assert build_objective({"name": "kd", "temperature": 2.0}).temperature == 2.0
+    assert build_objective(ObjectiveConfig("kd", temperature=2.0)).temperature == 2.0
     shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     assert STATISTICS.build("pair_norms", shape).shape is shape

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from mha2mla_exp.data.rows import FiniteRows, local_rows
+from mha2mla_exp.schema.fields import check_values
+from mha2mla_exp.schema.sections import ObjectiveConfig, TrainConfig
 from mha2mla_exp.train import (
     FineTuneRecipe, build_objective, check_epochs, finetune, plan_budget, precision_for, pretrain_share_pct,
 )
@@ -16,11 +19,11 @@ from tests.conftest import tiny_causal_lm
 TRAIN = {"tokens": 2048, "pretrain_share_pct": None, "seq_len": 16, "micro_batch_size": 4, "grad_accum": 2,
          "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "clip": 1.0, "warmup_steps": 2,
          "decay_fraction": 0.25, "freeze_non_attention": False, "checkpoint_every": 0, "log_every": 1,
-         "divergence_factor": 4.0, "eval_every": 0}
+         "divergence_factor": 4.0, "eval_every": 0, "optimizer_impl": "loop", "fused_loss": False}
 
 
-def train_cfg(**changes):
-    return OmegaConf.create(TRAIN | changes)
+def train_cfg(**changes) -> TrainConfig:
+    return TrainConfig(**TRAIN | changes)
 
 
 def rows(n=64, seq_len=16, seed=0):
@@ -70,20 +73,22 @@ def test_the_one_budget_planner_gives_the_papers_share_of_pretraining():
 
     from hydra import compose, initialize_config_dir
 
+    from omegaconf import OmegaConf
+
     from mha2mla_exp.confutil import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["train=paper", "model=smollm_135m"])
+        cfg = OmegaConf.to_object(compose(config_name="config", overrides=["train=paper", "model=smollm_135m"]))
     budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.pretrain_tokens)
     assert (budget.steps, budget.rows_per_step, budget.tokens) == (18_000, 64, 2_359_296_000)
     assert pretrain_share_pct(budget.tokens, cfg.model.pretrain_tokens) == pytest.approx(0.393216)
     assert plan_budget(cfg.train, pretrain_tokens=None, num_processes=4).steps == 4_500  # the global batch grows
-    shared = OmegaConf.merge(cfg.train, {"pretrain_share_pct": 0.5})
+    shared = dataclasses.replace(cfg.train, pretrain_share_pct=0.5)
     assert plan_budget(shared, pretrain_tokens=6.0e11).steps == 22_889  # ceil(3e9 / 131,072): the share wins
     with pytest.raises(ValueError, match="needs model.pretrain_tokens"):
         plan_budget(shared, pretrain_tokens=None)
     with pytest.raises(ValueError, match="must be positive"):
-        plan_budget(OmegaConf.merge(cfg.train, {"micro_batch_size": 0}), pretrain_tokens=None)
+        plan_budget(dataclasses.replace(cfg.train, grad_accum=0), pretrain_tokens=None)
     assert pretrain_share_pct(10, None) is None
     assert importlib.util.find_spec("mha2mla_exp.data.budget") is None
 
@@ -175,7 +180,7 @@ def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path):
     student, teacher = tiny_causal_lm("gqa"), tiny_causal_lm("gqa")
     curve = []
     recipe = FineTuneRecipe(student, rows(), train_cfg(tokens=256, lr=1e-3), tmp_path,
-                            precision=precision_for("fp32", "cpu"), seed=0, objective={"name": "kd"},
+                            precision=precision_for("fp32", "cpu"), seed=0, objective=ObjectiveConfig(name="kd"),
                             teacher=teacher, on_log=curve.append)
     recipe.run()
     assert curve[0]["loss"] == pytest.approx(0.0, abs=1e-6)  # KL(p || p) = 0 before the first update
@@ -184,19 +189,23 @@ def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path):
 def test_objectives_mix_and_check_their_arguments():
     logits, ids = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
     teacher = torch.randn(2, 6, 11)
-    ce, kd = build_objective({"name": "ce"}), build_objective({"name": "kd", "temperature": 2.0})
-    half = build_objective({"name": "ce+kd", "kd_weight": 0.5, "temperature": 2.0})
+    ce, kd = build_objective(ObjectiveConfig("ce")), build_objective(ObjectiveConfig("kd", temperature=2.0))
+    half = build_objective(ObjectiveConfig("ce+kd", kd_weight=0.5, temperature=2.0))
     assert half(logits, ids, teacher) == pytest.approx(0.5 * ce(logits, ids) + 0.5 * kd(logits, ids, teacher))
-    assert build_objective({"name": "ce+kd", "kd_weight": 0.0})(logits, ids, teacher) == pytest.approx(ce(logits, ids))
+    assert build_objective(ObjectiveConfig("ce+kd", kd_weight=0.0))(logits, ids, teacher) == \
+        pytest.approx(ce(logits, ids))
     reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
     assert ce(logits, ids) == pytest.approx(reference.item())
     with pytest.raises(ValueError, match="unknown objective.name=.mse."):
-        build_objective({"name": "mse"})
-    with pytest.raises(ValueError, match="objective.kd_weight"):
-        build_objective({"name": "ce+kd", "kd_weight": 2})
+        build_objective(ObjectiveConfig("mse"))
+    with pytest.raises(ValueError, match=r"objective: 'ce' does not take \['temperature'\]"):
+        build_objective(ObjectiveConfig("ce", temperature=2.0))
+    # the ranges of its arguments are the schema's, checked once at the runner's entry
+    assert check_values(ObjectiveConfig("ce+kd", kd_weight=2), "objective.") == [
+        "objective.kd_weight: must lie in [0, 1], got 2"]
     with pytest.raises(ValueError, match="needs the original model as teacher"):
         FineTuneRecipe(tiny_causal_lm("gqa"), rows(), train_cfg(), "/tmp", precision=precision_for("fp32", "cpu"),
-                       seed=0, objective={"name": "kd"})
+                       seed=0, objective=ObjectiveConfig(name="kd"))
 
 
 def test_activation_checkpointing_recomputes_to_the_same_losses(tmp_path):

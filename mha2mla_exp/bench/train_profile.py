@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
+from ..confutil import typed_section
 from ..data.rows import FiniteRows
 from ..machine import allocator
+from ..schema.sections import TrainConfig
 from ..train import precision_for
 from ..train.recipe import FineTuneRecipe
 from .train_precision import RECIPE, VARIANTS, machine_label, merge_rows, study_model
@@ -52,10 +53,10 @@ def profile_step(model, mode: str, variant: str, micro_batch_size: int, grad_acc
     tokens = seq_len * micro_batch_size * grad_accum
     rows = FiniteRows(torch.randint(0, model.config.vocab_size, (64 * micro_batch_size * grad_accum, seq_len),
                                     generator=torch.Generator().manual_seed(0)), seed=0)
-    cfg = OmegaConf.create(recipe | {"tokens": tokens * 4, "compile": False})
+    train = typed_section(TrainConfig, recipe | {"tokens": tokens * 4, "compile": False})
     with tempfile.TemporaryDirectory() as tmp:
-        recipe_run = FineTuneRecipe(copy.deepcopy(model), rows, cfg, Path(tmp), precision=precision_for(mode, "cpu"),
-                                    seed=0)
+        recipe_run = FineTuneRecipe(copy.deepcopy(model), rows, train, Path(tmp),
+                                    precision=precision_for(mode, "cpu"), seed=0)
         recipe_run.setup()
         recipe_run.step()  # warm-up: allocator, kernel selection, the optimizer's state
         with profile(activities=[ProfilerActivity.CPU]) as prof:

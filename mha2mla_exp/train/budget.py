@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..schema.sections import TrainConfig
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -26,21 +28,20 @@ class Budget:
         return self.tokens_per_step * steps
 
 
-def plan_budget(train_cfg, *, pretrain_tokens: float | None, num_processes: int = 1) -> Budget:
+def plan_budget(train: TrainConfig, *, pretrain_tokens: float | None, num_processes: int = 1) -> Budget:
     """The fewest optimizer steps that read the token budget (`pretrain_share_pct` of the pretraining tokens
     wins over `tokens` when set)."""
-    sizes = (train_cfg.micro_batch_size, train_cfg.grad_accum, num_processes, train_cfg.seq_len)
-    if min(sizes) < 1:
+    sizes = (train.micro_batch_size, train.grad_accum, num_processes, train.seq_len)
+    if min(sizes) < 1:  # grad_accum and the processes are known only here; the others guard a division
         raise ValueError(f"train: micro_batch_size, grad_accum, processes and seq_len must be positive, got {sizes}")
-    rows = train_cfg.micro_batch_size * train_cfg.grad_accum * num_processes
-    per_step = train_cfg.seq_len * rows
-    share = train_cfg.get("pretrain_share_pct")
-    if share is not None:
+    rows = train.micro_batch_size * train.grad_accum * num_processes
+    per_step = train.seq_len * rows
+    if train.pretrain_share_pct is not None:
         if not pretrain_tokens:
             raise ValueError("train.pretrain_share_pct needs model.pretrain_tokens")
-        tokens = share / 100 * pretrain_tokens
+        tokens = train.pretrain_share_pct / 100 * pretrain_tokens
     else:
-        tokens = train_cfg.tokens
+        tokens = train.tokens
     return Budget(per_step, max(1, math.ceil(tokens / per_step)), rows)
 
 

@@ -12,25 +12,27 @@ mha2mla_exp/registry.py) and a file in conf/objective/.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from ..registry import Registered, Registry
+from ..schema.sections import ObjectiveConfig
 
 OBJECTIVES = Registry("recovery objective", "objective.name")
 
 
-def build_objective(cfg: dict) -> "Objective":
-    """The objective named by `cfg["name"]`, its other keys as arguments; ValueError naming the field."""
-    cfg = {key: value for key, value in (cfg or {"name": "ce"}).items() if value is not None}  # null: its default
-    name = cfg.pop("name", "ce")
-    cls = OBJECTIVES.class_of(name)
+def build_objective(objective: ObjectiveConfig) -> "Objective":
+    """The objective `objective.name` names, its other settings as arguments (null: the objective's own default);
+    ValueError naming the field. Their ranges are the schema's (schema/sections.ObjectiveConfig)."""
+    arguments = {f.name: getattr(objective, f.name) for f in fields(objective)
+                 if f.name != "name" and getattr(objective, f.name) is not None}
+    cls = OBJECTIVES.class_of(objective.name)
     try:
-        return cls(**cfg)
+        return cls(**arguments)
     except TypeError as err:
-        raise ValueError(f"objective: {name!r} does not take {sorted(cfg)} ({err})") from None
+        raise ValueError(f"objective: {objective.name!r} does not take {sorted(arguments)} ({err})") from None
 
 
 class Objective(Registered):
@@ -77,10 +79,6 @@ class LogitDistillation(Objective):
     temperature: float = 1.0
     needs_teacher = True
 
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"objective.temperature: must be positive, got {self.temperature}")
-
     def token_loss_sum(self, logits, targets, teacher_logits):
         return forward_kl_sum(logits, teacher_logits, self.temperature)
 
@@ -91,12 +89,6 @@ class CrossEntropyAndDistillation(Objective):
     kd_weight: float = 0.5
     temperature: float = 1.0
     needs_teacher = True
-
-    def __post_init__(self):
-        if not 0 <= self.kd_weight <= 1:
-            raise ValueError(f"objective.kd_weight: must be in [0, 1], got {self.kd_weight}")
-        if not self.temperature > 0:
-            raise ValueError(f"objective.temperature: must be positive, got {self.temperature}")
 
     def token_loss_sum(self, logits, targets, teacher_logits):
         ce = next_token_ce_sum(logits, targets)

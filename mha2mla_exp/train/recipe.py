@@ -37,8 +37,9 @@ from . import sharding
 from .budget import plan_budget, pretrain_share_pct
 from .loss_head import loss_head_for
 from .master_weights import MasterWeights
+from ..schema.sections import ObjectiveConfig, TrainConfig
 from .objectives import Objective, build_objective
-from .optimizer import adamw, optimizer_impl
+from .optimizer import adamw
 from .precision import Precision
 from .schedule import schedule_for
 
@@ -96,17 +97,20 @@ class StopSignals:
 
 
 class FineTuneRecipe:
-    """One fine-tune of `model` on `rows` (a `data.rows` source); `run()` executes the steps below in order."""
+    """One fine-tune of `model` on `rows` (a `data.rows` source) under the `train` section; `run()` executes the
+    steps below in order."""
 
-    def __init__(self, model, rows, train_cfg, checkpoint_root: Path, *, precision: Precision, seed: int,
-                 objective: Objective | dict | None = None, teacher=None, pretrain_tokens: float | None = None,
-                 on_log=None, probe=None, fail_at_step: int | None = None, device: torch.device | None = None):
-        self.model, self.rows, self.cfg = model, rows, train_cfg
+    def __init__(self, model, rows, train: TrainConfig, checkpoint_root: Path, *, precision: Precision, seed: int,
+                 objective: Objective | ObjectiveConfig | None = None, teacher=None,
+                 pretrain_tokens: float | None = None, on_log=None, probe=None, fail_at_step: int | None = None,
+                 device: torch.device | None = None):
+        self.model, self.rows, self.train = model, rows, train
         # where to train: the model's own device unless given (under FSDP the other processes' model is on meta)
         self.device = device
         self.ckpt = Path(checkpoint_root) / CHECKPOINT_DIR
         self.precision, self.seed, self.pretrain_tokens = precision, seed, pretrain_tokens
-        self.objective = objective if isinstance(objective, Objective) else build_objective(objective)
+        self.objective = objective if isinstance(objective, Objective) else build_objective(objective or
+                                                                                             ObjectiveConfig())
         if self.objective.needs_teacher and teacher is None:
             raise ValueError(f"objective {self.objective.name!r} needs the original model as teacher")
         self.teacher = teacher if self.objective.needs_teacher else None
@@ -120,23 +124,23 @@ class FineTuneRecipe:
 
     # -------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        cfg, precision = self.cfg, self.precision
+        train, precision = self.train, self.precision
         # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
         device = self.device or next(self.model.parameters()).device  # the runner placed it (device=cpu on a GPU host too)
         self.accelerator = acc = Accelerator(mixed_precision="no", cpu=device.type == "cpu")
         set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
-        self.budget = plan_budget(cfg, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
+        self.budget = plan_budget(train, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
         if acc.num_processes > 1 and hasattr(self.rows, "read_on_main_process_only"):  # a stream: read it once
             import torch.distributed as td
 
             self.rows.read_on_main_process_only(acc.is_main_process, td.new_group(backend="gloo"))
         model = self.model.to(dtype=precision.param_dtype)
-        if cfg.get("activation_checkpointing"):  # recompute each layer in the backward: memory for compute
+        if train.activation_checkpointing:  # recompute each layer in the backward: memory for compute
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.freeze_non_attention:
+        if train.freeze_non_attention:
             for name, p in model.named_parameters():
                 p.requires_grad_(".self_attn." in name)
-        self.sharded = sharding.shards(cfg)
+        self.sharded = sharding.shards(train)
         if self.sharded:  # before the optimizer: sharding replaces the parameters
             # the main process's weights, taken before sharding (the others hold the model on the meta device)
             main_weights = model.state_dict() if acc.is_main_process else None
@@ -149,13 +153,13 @@ class FineTuneRecipe:
         targets = self.master.master if self.master else trained
         decay = [t for p, t in zip(trained, targets) if p.dim() >= 2]  # no decay on biases and norm weights
         no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
-        optimizer = adamw([{"params": decay, "weight_decay": cfg.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}], cfg)
-        schedule = schedule_for(cfg, self.budget.steps)
+        optimizer = adamw([{"params": decay, "weight_decay": train.weight_decay},
+                           {"params": no_decay, "weight_decay": 0.0}], train)
+        schedule = schedule_for(train, self.budget.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
         model.train()
-        self.loss_head = loss_head_for(model, bool(cfg.get("fused_loss")))
-        if cfg.get("compile"):  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation.
+        self.loss_head = loss_head_for(model, train.fused_loss)
+        if train.compile:  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation.
             # The decoder, not the whole causal LM: the output layer and the loss stay eager (train/loss_head.py)
             model.model.forward = torch.compile(model.model.forward, dynamic=False)
         if self.master:  # the optimizer steps on the master copies, which no process shares: checkpoint them as objects
@@ -196,32 +200,33 @@ class FineTuneRecipe:
 
     def step(self) -> float:
         """One optimizer update over `grad_accum` micro-batches; returns the mean loss over all processes."""
-        acc, cfg = self.accelerator, self.cfg
+        acc, train = self.accelerator, self.train
         rows = self.rows.step_rows(self.step_count, self.budget.rows_per_step)
         total = torch.zeros((), device=acc.device)
-        for micro in range(cfg.grad_accum):
-            batch = local_rows(rows, micro, acc.process_index, acc.num_processes, cfg.micro_batch_size).to(acc.device)
+        for micro in range(train.grad_accum):
+            batch = local_rows(rows, micro, acc.process_index, acc.num_processes, train.micro_batch_size)
+            batch = batch.to(acc.device)
             teacher_outputs = None
             if self.teacher is not None:
                 with torch.no_grad(), record_function("teacher"):
                     teacher_outputs = self.loss_head.teacher_outputs(self.teacher, batch)
-            last = micro == cfg.grad_accum - 1
+            last = micro == train.grad_accum - 1
             if self.sharded:
                 self.model.set_requires_gradient_sync(last)
             no_sync = contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model)
             with no_sync, self._compute(), record_function("forward"):
-                loss = self.loss_head(self.model, batch, self.objective, teacher_outputs) / cfg.grad_accum
+                loss = self.loss_head(self.model, batch, self.objective, teacher_outputs) / train.grad_accum
             with record_function("backward"):
                 acc.backward(loss)
             total += loss.detach().float()
         with record_function("optimizer"):
             if self.master:
                 self.master.grads_to_master()
-                torch.nn.utils.clip_grad_norm_(self.master.master, cfg.clip)
+                torch.nn.utils.clip_grad_norm_(self.master.master, train.clip)
             elif self.sharded:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.clip)
             else:
-                acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
+                acc.clip_grad_norm_(self.model.parameters(), train.clip)
             self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this update used (logged with it)
             self.optimizer.step()
             if self.master:
@@ -235,7 +240,7 @@ class FineTuneRecipe:
     # ---------------------------------------------------------------------------------------------- log
     def log(self, loss: float, elapsed: float, probe: dict | None = None) -> None:
         """One line per logged step (every `log_every` steps, the last one, and any step that was probed)."""
-        if self.step_count % self.cfg.log_every and self.step_count != self.budget.steps and not probe:
+        if self.step_count % self.train.log_every and self.step_count != self.budget.steps and not probe:
             return
         record = {"step": self.step_count, "tokens": self.budget.tokens_after(self.step_count), "loss": loss,
                   "lr": self.step_lr, "elapsed_s": round(elapsed, 3)} | (probe or {})
@@ -247,14 +252,14 @@ class FineTuneRecipe:
         if not math.isfinite(loss):
             return "not finite"
         # the floor keeps a distillation that starts near 0 (a near-exact conversion) from counting as diverged
-        if loss > self.cfg.divergence_factor * max(self.first_loss, DIVERGENCE_FLOOR):
-            return f"above {self.cfg.divergence_factor} x first loss {self.first_loss:.3f}"
+        if loss > self.train.divergence_factor * max(self.first_loss, DIVERGENCE_FLOOR):
+            return f"above {self.train.divergence_factor} x first loss {self.first_loss:.3f}"
         return None
 
     def maybe_probe(self) -> dict | None:
         """Held-out perplexity before the first step, every `eval_every` steps and after the last (main process;
         every process when sharded, since each holds a piece of every weight)."""
-        every = int(self.cfg.get("eval_every") or 0)
+        every = self.train.eval_every
         at = self.step_count
         due = at in (0, self.budget.steps) or (every and at % every == 0)
         here = self.accelerator.is_main_process or self.sharded
@@ -299,7 +304,7 @@ class FineTuneRecipe:
     def finish(self, seconds: float) -> dict:
         acc = self.accelerator
         model = acc.unwrap_model(self.model)
-        flops_per_token = train_flops_per_token(model, self.cfg.seq_len)  # a DTensor counts its whole shape
+        flops_per_token = train_flops_per_token(model, self.train.seq_len)  # a DTensor counts its whole shape
         if self.sharded:  # gathered to the main process alone, which keeps a plain copy on the training device
             self.optimizer.state.clear()  # AdamW's moments are done with: room on the device for the plain copy
             weights = sharding.gather_to_main(self.model)  # {} on the other processes
@@ -330,9 +335,9 @@ class FineTuneRecipe:
             "precision": self.precision.to_record(),
             "processes": acc.num_processes,
             "strategy": "fsdp" if self.sharded else "ddp" if acc.num_processes > 1 else "single",
-            "compiled": bool(self.cfg.get("compile")),
+            "compiled": self.train.compile,
             "loss_path": self.loss_head.name,
-            "optimizer_impl": optimizer_impl(self.cfg),
+            "optimizer_impl": self.train.optimizer_impl,
             "resumed_from_step": self.resumed_from,
             "load_avg_5m": _load_avg(),  # a shared machine slows every timing: say how shared it was
             "data": {"rows_read": rows_read, "epochs": epochs, "fresh_tokens": epochs is None or epochs <= 1.0}
@@ -394,7 +399,7 @@ class FineTuneRecipe:
         self.log(loss, elapsed(), None if diverged else self.maybe_probe())
         if diverged:
             raise FineTuneDiverged(self.step_count, loss, diverged)
-        every = self.cfg.checkpoint_every
+        every = self.train.checkpoint_every
         if every and self.step_count % every == 0 and self.step_count < total:
             self.checkpoint(elapsed())
         if self.fail_at_step is not None and self.step_count == self.fail_at_step:
@@ -403,9 +408,9 @@ class FineTuneRecipe:
             os.kill(os.getpid(), signal.SIGKILL)  # a hard kill: no handler, no cleanup (tests of resume)
 
 
-def finetune(model, rows, train_cfg, checkpoint_root: Path, **kwargs) -> tuple[torch.nn.Module, dict]:
+def finetune(model, rows, train: TrainConfig, checkpoint_root: Path, **kwargs) -> tuple[torch.nn.Module, dict]:
     """Run a `FineTuneRecipe`; returns (the trained, unwrapped model, the record's `train` block)."""
-    recipe = FineTuneRecipe(model, rows, train_cfg, checkpoint_root, **kwargs)
+    recipe = FineTuneRecipe(model, rows, train, checkpoint_root, **kwargs)
     record = recipe.run()
     return recipe.model, record
 

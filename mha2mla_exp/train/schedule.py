@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..schema.sections import TrainConfig
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -37,18 +39,17 @@ class Schedule:
         return f"warm-up ends at step {self.warmup_steps:,}, constant, then {decay}"
 
 
-def schedule_for(train_cfg, total_steps: int) -> Schedule:
-    """The schedule of a fine-tune of `total_steps` optimizer steps under `train_cfg`; ValueError (naming the
+def schedule_for(train: TrainConfig, total_steps: int) -> Schedule:
+    """The schedule of a fine-tune of `total_steps` optimizer steps under `train`; ValueError (naming the
     field) where its warm-up and decay do not fit the steps."""
-    warmup = int(train_cfg.warmup_steps)
-    decay_steps = train_cfg.get("decay_steps")
-    if decay_steps is not None:
-        decay = int(decay_steps)
-        if warmup < 0 or decay < 0 or warmup + decay > total_steps:
+    warmup = int(train.warmup_steps)
+    if train.decay_steps is not None:
+        decay = int(train.decay_steps)
+        if warmup + decay > total_steps:
             raise ValueError(f"train.decay_steps: {warmup:,} warm-up steps (train.warmup_steps) and {decay:,} decay "
                              f"steps do not fit the budget's {total_steps:,} steps; shorten them with the budget "
                              "(the released configs: warm-up 5-8 %, decay the last 10-17 %)")
     else:
-        fraction = float(train_cfg.decay_fraction)
+        fraction = float(train.decay_fraction)
         decay = max(1, round(total_steps * fraction)) if fraction > 0 else 0
     return Schedule(total_steps, warmup, decay)

@@ -23,13 +23,15 @@ import torch.distributed as td
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from ..schema.sections import TrainConfig
+
 SHARDED_STATE_DIR = "fsdp_shards"  # inside a checkpoint folder: torch.distributed.checkpoint's files
 
 
-def shards(train_cfg) -> bool:
-    """Whether a fine-tune with `train_cfg` trains sharded: `train.strategy=fsdp` in a launch with a process
+def shards(train: TrainConfig) -> bool:
+    """Whether a fine-tune with `train` trains sharded: `train.strategy=fsdp` in a launch with a process
     group (torchrun / accelerate launch / SLURM tasks, one process or more)."""
-    return (train_cfg.get("strategy") or "ddp") == "fsdp" and td.is_available() and td.is_initialized()
+    return train.strategy == "fsdp" and td.is_available() and td.is_initialized()
 
 
 def shard(model: torch.nn.Module, device_type: str, num_processes: int) -> torch.nn.Module:
