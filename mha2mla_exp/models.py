@@ -1,25 +1,20 @@
-"""Model resolution: one model config (hub id, local folder, offline asset, or tiny random) -> (model, tokenizer).
+"""Model resolution: one model section (hub id, local folder, offline asset, or tiny random) -> (model, tokenizer).
 
-A model config is a mapping (OmegaConf or dict), see conf/model/*.yaml:
-    name, paper_name, source (hub | local | asset | random), id, revision, dtype (auto | float32 |
-    bfloat16 | float16), shape {num_layers, hidden_size, num_heads, num_kv_heads, head_dim, rope_base,
-    context_length}, pretrain_tokens, finetune_length; `random` also reads vocab_size,
-    intermediate_size and seed.
-`check_model_config` validates all of it without touching weights; `load_model` then checks the
-loaded model against the recorded `shape`, since tables and parameter counts are built from it.
+The section is the schema's `ModelConfig` (schema/sections.py, conf/model/*.yaml), which types and documents every
+field. `check_model_config` checks what the schema cannot (the source's id or folder, fields that go together)
+without touching weights; `load_model` then checks the loaded model against the recorded `shape`, since tables
+and parameter counts are built from it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .confutil import as_plain_dict
+from .schema.sections import ModelConfig, ShapeConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,33 +31,25 @@ class ModelUnavailableError(RuntimeError):
     """A valid model config whose weights cannot be obtained here (hub unreachable, not cached, gated)."""
 
 
-def check_model_config(model_cfg: Any) -> None:
-    """Raise ValueError naming the offending field unless `model_cfg` can be resolved; loads no weights."""
-    cfg = as_plain_dict(model_cfg, "model")
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise ValueError(f"model.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
-    dtype = cfg.get("dtype", "auto")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
-    shape = cfg.get("shape")
-    if shape is not None:
-        _check_shape_block(shape)
-    revision = cfg.get("revision")
-    if revision is not None and source != "hub":
-        raise ValueError(f"model.revision: {revision!r} applies to hub models only (source is {source!r})")
-
-    model_id = cfg.get("id")
-    if source == "random":
-        if shape is None:
-            raise ValueError("model.shape: source 'random' builds the model from the shape block, which is missing")
-        vocab = cfg.get("vocab_size")
-        if not isinstance(vocab, int) or vocab < 1:
-            raise ValueError(f"model.vocab_size: source 'random' needs a positive integer, got {vocab!r}")
+def check_model_config(model: ModelConfig) -> None:
+    """Raise ValueError naming the offending field unless `model` can be resolved; loads no weights. Types and
+    ranges are the schema's (schema/sections.ModelConfig); this checks what depends on several fields or on disk."""
+    if model.shape is not None and model.shape.num_heads % model.shape.num_kv_heads:
+        raise ValueError(f"model.shape.num_kv_heads: {model.shape.num_kv_heads} does not divide "
+                         f"num_heads={model.shape.num_heads}")
+    if model.revision is not None and model.source != "hub":
+        raise ValueError(f"model.revision: {model.revision!r} applies to hub models only (source is {model.source!r})")
+    if model.source == "random":
+        if model.shape is None or model.shape.context_length is None:
+            raise ValueError("model.shape: source 'random' builds the model from the shape block (context_length "
+                             "included), which is missing")
+        if model.vocab_size is None:
+            raise ValueError("model.vocab_size: source 'random' needs a vocabulary size")
         return
-    if not isinstance(model_id, str) or not model_id.strip():
-        raise ValueError(f"model.id: source {source!r} needs a non-empty id, got {model_id!r}")
-    if source == "hub":
+    model_id = model.id
+    if not model_id or not model_id.strip():
+        raise ValueError(f"model.id: source {model.source!r} needs a non-empty id, got {model_id!r}")
+    if model.source == "hub":
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
         try:
@@ -70,7 +57,7 @@ def check_model_config(model_cfg: Any) -> None:
         except HFValidationError as e:
             hint = " (a path? use source: local)" if model_id.startswith(("/", ".", "~")) else ""
             raise ValueError(f"model.id: {model_id!r} is not a valid hub repo id{hint}: {e}") from None
-    elif source == "local":
+    elif model.source == "local":
         folder = Path(model_id).expanduser()
         if not folder.is_dir():
             raise ValueError(f"model.id: local model folder {str(folder)!r} does not exist (source: local)")
@@ -78,26 +65,13 @@ def check_model_config(model_cfg: Any) -> None:
             raise ValueError(
                 f"model.id: {str(folder)!r} has no config.json; source: local expects a Hugging Face model folder"
             )
-    elif source == "asset":
+    elif model.source == "asset":
         from .assets import get_asset
 
         try:
             get_asset(model_id, kind="model")
         except ValueError as e:
             raise ValueError(f"model.id: {e}") from None
-
-
-def _check_shape_block(shape: Any) -> None:
-    if not isinstance(shape, Mapping):
-        raise ValueError(f"model.shape: expected a mapping of {', '.join(SHAPE_KEYS)}, got {shape!r}")
-    for key in SHAPE_KEYS:
-        value = shape.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"model.shape.{key}: expected a positive number, got {value!r}")
-    if shape["num_heads"] % shape["num_kv_heads"]:
-        raise ValueError(
-            f"model.shape.num_kv_heads: {shape['num_kv_heads']} does not divide num_heads={shape['num_heads']}"
-        )
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -139,30 +113,31 @@ def folder_config(folder: str | Path):
     return AutoConfig.from_pretrained(Path(folder).expanduser(), local_files_only=True)
 
 
-def check_shape(config, shape: Mapping | None, name: str) -> None:
-    """Raise ValueError if the loaded model disagrees with the config's recorded shape facts."""
+def check_shape(config, shape: ShapeConfig | None, name: str) -> None:
+    """Raise ValueError if the loaded model disagrees with the config's recorded shape facts (those it states)."""
     if shape is None:
         return
     actual = shape_of(config)
-    wrong = {k: (shape[k], actual[k]) for k in SHAPE_KEYS if k in shape and actual[k] != shape[k]}
+    stated = {k: getattr(shape, k) for k in SHAPE_KEYS if getattr(shape, k) is not None}
+    wrong = {k: (want, actual[k]) for k, want in stated.items() if actual[k] != want}
     if wrong:
         detail = ", ".join(f"{k}: config says {want}, model has {got}" for k, (want, got) in wrong.items())
         raise ValueError(f"model {name!r}: the loaded model does not match model.shape ({detail}); fix the config")
 
 
-def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+def load_model(model_cfg: ModelConfig, *, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None):
     """(model, tokenizer) for `model_cfg`, in eval mode on `device` with `dtype` (both default to the config's)."""
     check_model_config(model_cfg)
-    cfg = as_plain_dict(model_cfg, "model")
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype if dtype is not None else cfg.get("dtype", "auto"), device)
-    source, model_id = cfg["source"], cfg.get("id")
-    name = cfg.get("name") or model_id
+    torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype, device)
+    source, model_id = model_cfg.source, model_cfg.id
+    name = model_cfg.name or model_id
 
     if source == "random":
-        model, tokenizer = build_random_model(cfg, torch_dtype)
+        model, tokenizer = build_random_model(model_cfg, torch_dtype)
     elif source == "hub":
-        model, tokenizer = _load_hub(model_id, cfg.get("revision"), torch_dtype, name, device)
+        model, tokenizer = _load_hub(model_id, model_cfg.revision, torch_dtype, name, device)
     else:
         if source == "asset":
             from .assets import model_dir
@@ -171,23 +146,22 @@ def load_model(model_cfg: Any, *, device: str | torch.device | None = None, dtyp
         else:
             folder = Path(model_id).expanduser()
         model, tokenizer = _load_folder(folder, torch_dtype, device)
-    check_shape(model.config, cfg.get("shape"), name)
+    check_shape(model.config, model_cfg.shape, name)
     model.to(device).eval()
     log.info("loaded model %r (%s %s) on %s as %s", name, source, model_id, device, torch_dtype)
     return model, tokenizer
 
 
-def load_tokenizer(model_cfg: Any):
+def load_tokenizer(model_cfg: ModelConfig):
     """The tokenizer of `model_cfg` alone (no weights are read)."""
     from transformers import AutoTokenizer
 
     check_model_config(model_cfg)
-    cfg = as_plain_dict(model_cfg, "model")
-    source, model_id = cfg["source"], cfg.get("id")
+    source, model_id = model_cfg.source, model_cfg.id
     if source == "random":
-        return byte_tokenizer(model_max_length=int(cfg["shape"]["context_length"]))
+        return byte_tokenizer(model_max_length=int(model_cfg.shape.context_length))
     if source == "hub":
-        return AutoTokenizer.from_pretrained(model_id, revision=cfg.get("revision"))
+        return AutoTokenizer.from_pretrained(model_id, revision=model_cfg.revision)
     if source == "asset":
         from .assets import model_dir
 
@@ -195,14 +169,13 @@ def load_tokenizer(model_cfg: Any):
     return AutoTokenizer.from_pretrained(Path(model_id).expanduser(), local_files_only=True)
 
 
-def probe_architecture(model_cfg: Any) -> tuple[str | None, list[str]]:
+def probe_architecture(model_cfg: ModelConfig) -> tuple[str | None, list[str]]:
     """The model's `model_type` from its config.json alone (no weights), and notes on what could not be read.
 
     Local folders and offline assets are read from disk; a hub id asks the hub for config.json when it is
     reachable, else the architecture is unknown until the download (a note says so).
     """
-    cfg = as_plain_dict(model_cfg, "model")
-    source, model_id = cfg["source"], cfg.get("id")
+    source, model_id = model_cfg.source, model_cfg.id
     if source == "random":
         return "llama", []
     if source == "local":
@@ -218,7 +191,7 @@ def probe_architecture(model_cfg: Any) -> tuple[str | None, list[str]]:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_id, revision=cfg.get("revision")).model_type, []
+        return AutoConfig.from_pretrained(model_id, revision=model_cfg.revision).model_type, []
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, [f"model.id {model_id!r}: architecture not checked ({first}); unknown until download"]
@@ -294,31 +267,31 @@ def byte_tokenizer(model_max_length: int = 2048):
     return tokenizer
 
 
-def build_random_model(cfg: Mapping, dtype: torch.dtype = torch.float32):
+def build_random_model(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32):
     """A seeded random LlamaForCausalLM from the config's shape block, with the byte-level tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = cfg["shape"]
-    tokenizer = byte_tokenizer(model_max_length=int(shape["context_length"]))
-    vocab = int(cfg["vocab_size"])
+    shape = model_cfg.shape
+    tokenizer = byte_tokenizer(model_max_length=int(shape.context_length))
+    vocab = int(model_cfg.vocab_size)
     if vocab < len(tokenizer):
         raise ValueError(f"model.vocab_size: {vocab} is smaller than the byte-level tokenizer's {len(tokenizer)}")
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=shape["hidden_size"],
-        intermediate_size=cfg.get("intermediate_size") or 4 * shape["hidden_size"],
-        num_hidden_layers=shape["num_layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["context_length"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(shape["rope_base"])},
+        hidden_size=shape.hidden_size,
+        intermediate_size=model_cfg.intermediate_size or 4 * shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.context_length,
+        rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_base)},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
     with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's RNG stream
-        torch.manual_seed(int(cfg.get("seed", 0)))
+        torch.manual_seed(int(model_cfg.seed))
         model = LlamaForCausalLM(config)
     return model.to(dtype), tokenizer

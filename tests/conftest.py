@@ -50,9 +50,17 @@ def tokens():
     return torch.randint(0, 97, (2, 24), generator=g)
 
 
-TINY_BYTE_LM = {"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                          "rope_base": 10000, "context_length": 512},
-                "vocab_size": 320, "intermediate_size": 128, "seed": 0}
+def tiny_byte_lm():
+    """The model section of a tiny random Llama with the byte-level tokenizer."""
+    from mha2mla_exp.schema.sections import ModelConfig, ShapeConfig
+
+    shape = ShapeConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rope_base=10000,
+                        context_length=512)
+    return ModelConfig(name="tiny-random", source="random", dtype="float32", shape=shape, vocab_size=320,
+                       intermediate_size=128, seed=0)
+
+
+TINY_BYTE_LM = tiny_byte_lm()
 
 
 @pytest.fixture(scope="module")

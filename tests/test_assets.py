@@ -4,6 +4,7 @@ a tiny random model, and model configs checked (never loaded) for hub ids."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import re
@@ -17,9 +18,11 @@ from omegaconf import OmegaConf
 import mha2mla_exp
 from mha2mla_exp.assets import ASSETS, Asset, AssetError, asset_documents, cache_dir, fetch_asset, get_asset, model_dir
 from mha2mla_exp.assets import fetch as fetch_mod
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.models import (
     ModelUnavailableError, build_random_model, byte_tokenizer, check_model_config, load_model, shape_of,
 )
+from mha2mla_exp.schema.sections import ModelConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TOY_DOCS = {"toy/docs/a.txt": "First toy document.", "toy/docs/b.txt": "Second one, a little longer.",
@@ -214,11 +217,11 @@ def test_every_paper_model_has_a_config():
 def test_model_config_schema_and_facts(name):
     cfg = OmegaConf.load(CONF / "model" / f"{name}.yaml")
     assert MODEL_KEYS <= set(cfg), f"{name}: missing {MODEL_KEYS - set(cfg)}"
-    if OmegaConf.is_missing(cfg, "id"):  # model=local: the folder is the user's to name
-        with pytest.raises(ValueError, match=r"model.id: missing \(a \?\?\? value\)"):
-            check_model_config(cfg)
+    if OmegaConf.is_missing(cfg, "id"):  # model=local: the folder is the user's to name (??? leaves the default)
+        with pytest.raises(ValueError, match=r"model.id: source 'local' needs a non-empty id, got None"):
+            check_model_config(typed_section(ModelConfig, cfg, "model"))
         return
-    check_model_config(cfg)  # validates without loading weights
+    check_model_config(typed_section(ModelConfig, cfg, "model"))  # validates without loading weights
     if name in PAPER_SHAPES:
         s = cfg.shape
         got = (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rope_base, cfg.pretrain_tokens)
@@ -235,27 +238,29 @@ def test_hub_configs_name_the_paper_models():
                    "smollm_1b7": "HuggingFaceTB/SmolLM-1.7B", "llama2_7b": "meta-llama/Llama-2-7b-hf"}
 
 
-def good_cfg(**changes):
+def good_cfg(**changes) -> ModelConfig:
     cfg = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "smollm_135m.yaml"))
     cfg.update(changes)
-    return cfg
+    return typed_section(ModelConfig, cfg, "model")
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"source": "hf"}, "model.source: unknown source 'hf'"),
+    ({"source": "hf"}, "model.source: expected one of asset, hub, local, random, got 'hf'"),  # the schema's
     ({"source": "local", "id": "/nonexistent/model"}, "model.id: local model folder '/nonexistent/model' does not exist"),
     ({"source": "asset", "id": "smollm-135m"}, "model.id: unknown asset 'smollm-135m'"),
     ({"source": "asset", "id": "sotu"}, "model.id: asset 'sotu' is a text asset"),
     ({"id": "HuggingFaceTB//SmolLM"}, "model.id: 'HuggingFaceTB//SmolLM' is not a valid hub repo id"),
     ({"id": "/data/models/smollm"}, "use source: local"),
     ({"id": ""}, "model.id: source 'hub' needs a non-empty id"),
-    ({"dtype": "bf16"}, "model.dtype: unknown dtype 'bf16'"),
+    ({"dtype": "bf16"}, "model.dtype: expected one of auto, float32, bfloat16, float16, got 'bf16'"),
     ({"source": "asset", "id": "smollm2-135m", "revision": "main"}, "model.revision"),
-    ({"shape": {"num_layers": 30}}, "model.shape.hidden_size"),
+    ({"shape": {"num_layers": 30}}, "model.shape.hidden_size: missing"),
+    ({"shape": {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 4, "head_dim": 64}},
+     "model.shape.num_kv_heads: 4 does not divide num_heads=9"),
     ({"source": "random", "vocab_size": None}, "model.vocab_size"),
 ])
 def test_model_config_errors_name_the_field(changes, field):
-    with pytest.raises(ValueError, match=re.escape(field)):
+    with pytest.raises(ValueError, match=re.escape(field)):  # the schema's types and ranges, then the layer's own
         check_model_config(good_cfg(**changes))
 
 
@@ -278,10 +283,10 @@ def test_offline_hub_failure_says_what_was_looked_for(monkeypatch):
 # ---------------------------------------------------------------------------------------- random and local models
 
 
-def tiny_cfg(**changes):
+def tiny_cfg(**changes) -> ModelConfig:
     cfg = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "tiny_random.yaml"))
     cfg.update(changes)
-    return cfg
+    return typed_section(ModelConfig, cfg, "model")
 
 
 def test_tiny_random_is_seeded_shaped_and_leaves_the_global_rng_alone():
@@ -294,7 +299,7 @@ def test_tiny_random_is_seeded_shaped_and_leaves_the_global_rng_alone():
     c, _ = load_model(tiny_cfg(seed=1), device="cpu")
     pa, pb, pc = (next(m.parameters()) for m in (a, b, c))
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
-    assert shape_of(a.config) == tiny_cfg()["shape"]
+    assert shape_of(a.config) == dataclasses.asdict(tiny_cfg().shape)
     assert a.dtype == torch.float32 and not a.training
     assert load_model(tiny_cfg(), device="cpu", dtype="bfloat16")[0].dtype == torch.bfloat16
 
@@ -317,6 +322,6 @@ def test_local_folder_loads_and_shape_is_checked(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model.eval()(x).logits)
     assert tok2("hello world").input_ids == tok("hello world").input_ids
-    wrong = dict(cfg, shape=dict(cfg["shape"], num_kv_heads=4))
+    wrong = dataclasses.replace(cfg, shape=dataclasses.replace(cfg.shape, num_kv_heads=4))
     with pytest.raises(ValueError, match="num_kv_heads: config says 4, model has 2"):
         load_model(wrong, device="cpu")

@@ -103,9 +103,10 @@ def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path,
 @torch.no_grad()
 def test_real_smollm2_conversion_loads_without_the_package(tmp_path):
     from mha2mla_exp.models import load_model
+    from mha2mla_exp.schema.sections import ModelConfig
 
-    model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m",
-                                   "dtype": "float32"}, device="cpu")
+    model, tokenizer = load_model(ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m",
+                                              dtype="float32"), device="cpu")
     mla = convert_to_mla(model, rope="uniform", r=4, svd="joint", d_kv=16)
     folder = tmp_path / "mla"
     mla.save_pretrained(folder)

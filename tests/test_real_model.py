@@ -29,19 +29,24 @@ CALIBRATION = dict(n=8, seq_len=SEQ_LEN, batch_size=4)
 @pytest.fixture(scope="session")
 def smollm2():
     assert os.environ.get("HF_HUB_OFFLINE") == "1", "these tests prove the model loads with the hub switched off"
+    from mha2mla_exp.confutil import typed_section
     from mha2mla_exp.models import load_model
+    from mha2mla_exp.schema.sections import ModelConfig
 
     torch.manual_seed(0)
-    return load_model(OmegaConf.load(CONF / "model" / "smollm2_135m.yaml"), device="cpu")
+    return load_model(typed_section(ModelConfig, OmegaConf.load(CONF / "model" / "smollm2_135m.yaml"), "model"),
+                      device="cpu")
 
 
 @pytest.fixture(scope="session")
 def sotu(smollm2):
+    from mha2mla_exp.confutil import typed_section
     from mha2mla_exp.data import prepare_data
+    from mha2mla_exp.schema.sections import DataConfig
 
     cfg = OmegaConf.load(CONF / "data" / "sotu.yaml")
     cfg.seq_len = SEQ_LEN
-    return prepare_data(cfg, smollm2[1])
+    return prepare_data(typed_section(DataConfig, cfg, "data"), smollm2[1])
 
 
 @pytest.fixture(scope="session")

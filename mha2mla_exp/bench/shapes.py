@@ -84,10 +84,12 @@ def build_real(device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausal
     raises if the weights cannot be had here."""
     import yaml
 
+    from ..confutil import typed_section
     from ..models import load_model
+    from ..schema.sections import ModelConfig
 
-    cfg = yaml.safe_load(MODEL_CONF.read_text())
-    mha, _ = load_model(cfg, device=device, dtype=dtype)
+    mha, _ = load_model(typed_section(ModelConfig, yaml.safe_load(MODEL_CONF.read_text()), "model"), device=device,
+                        dtype=dtype)
     s = REAL_SHAPE
     mla = convert_to_mla(mha, rope="uniform", r=s.r, svd="joint", d_kv=s.d_kv).to(device="cpu", dtype=dtype).eval()
     return mha.eval(), mla

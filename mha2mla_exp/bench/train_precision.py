@@ -27,7 +27,9 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from ..confutil import typed_section
 from ..machine import allocator, cpu_model
+from ..schema.sections import ModelConfig, TrainConfig
 from ..train.precision import MODES, cpu_bf16_speedup, precision_for
 
 RECIPE = {"pretrain_share_pct": None, "seq_len": 256, "micro_batch_size": 4, "grad_accum": 2, "lr": 1e-4,
@@ -66,8 +68,8 @@ def study_model():
     from ..mla import convert_to_mla
     from ..models import load_model
 
-    base, _ = load_model(OmegaConf.load(Path(__file__).parents[2] / "conf/model/smollm2_135m.yaml"), device="cpu",
-                         dtype="float32")
+    model_cfg = OmegaConf.load(Path(__file__).parents[2] / "conf/model/smollm2_135m.yaml")
+    base, _ = load_model(typed_section(ModelConfig, model_cfg, "model"), device="cpu", dtype="float32")
     return convert_to_mla(base, rope="high", r=4, svd="joint", d_kv=16)
 
 
@@ -85,10 +87,10 @@ def measure_throughput(model, warmup: int, steps: int, modes: list[str], compile
     out = []
     for variant, compiled, mode in ((v, c, m) for v in variants for c in compile_options for m in modes):
         curve = []
-        cfg = OmegaConf.create(recipe | VARIANTS[variant] | {"tokens": per_step * (warmup + steps),
-                                                             "compile": compiled})
+        train = typed_section(TrainConfig, recipe | VARIANTS[variant] | {"tokens": per_step * (warmup + steps),
+                                                                        "compile": compiled})
         with tempfile.TemporaryDirectory() as tmp:
-            finetune(copy.deepcopy(model), rows, cfg, Path(tmp), precision=precision_for(mode, "cpu"), seed=0,
+            finetune(copy.deepcopy(model), rows, train, Path(tmp), precision=precision_for(mode, "cpu"), seed=0,
                      on_log=curve.append)
         times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(curve, curve[1:])][warmup - 1:]
         seconds = sum(times) / len(times)
