@@ -6,10 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+from omegaconf import MissingMandatoryValue, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .schema.store import register as register_schema
@@ -61,16 +60,3 @@ def _unknown_options(obj: Any, prefix: str) -> list[str]:
         else:
             problems.append(f"{prefix}{key}: not an option of {type(obj).__name__} (schema/sections.py)")
     return problems
-
-
-def as_plain_dict(cfg: Any, group: str) -> dict:
-    """`cfg` (a DictConfig, resolved, or any mapping) as a dict; ValueError naming `group.key` on a ??? value."""
-    if isinstance(cfg, DictConfig):
-        try:
-            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-        except MissingMandatoryValue as e:
-            key = e.full_key if str(e.full_key).startswith(f"{group}.") else f"{group}.{e.full_key}"
-            raise ValueError(f"{key}: missing (a ??? value): set it, e.g. on the command line") from None
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    raise ValueError(f"{group} config must be a mapping, got {type(cfg).__name__}")

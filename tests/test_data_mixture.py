@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.data import prepare_data
 from mha2mla_exp.data import sources
 from mha2mla_exp.data.sources import check_data_config, mixture_token_shares, part_name
 from mha2mla_exp.data.tokens import bos_prefix, tokenize_documents
 from mha2mla_exp.models import byte_tokenizer
+from mha2mla_exp.schema.sections import DataConfig
 
 
 @pytest.fixture
@@ -46,6 +48,11 @@ def bos_tokenizer():
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
+
+
+def section(cfg: dict) -> DataConfig:
+    """A data config as the layer takes it: the schema's section, its types and ranges checked."""
+    return typed_section(DataConfig, cfg, "data")
 
 
 def stream_cfg(parts: list[dict], **extra) -> dict:
@@ -84,7 +91,7 @@ def tokens_per_part(rows: torch.Tensor, tok, separator: int) -> dict[str, int]:
 
 def test_the_rows_hold_each_part_in_its_token_share_whatever_its_document_length(tmp_path, tok):
     shares = {"long": 0.5, "medium": 0.3, "short": 0.2}  # documents ~200, ~50 and ~10 tokens long
-    data = prepare_data(stream_cfg(lettered_parts(tmp_path, shares)), tok)
+    data = prepare_data(section(stream_cfg(lettered_parts(tmp_path, shares))), tok)
     stream = data.training_rows(64, seed=0)
     rows = torch.cat([stream.step_rows(step, 50) for step in range(60)])  # 192,000 tokens
     counts = tokens_per_part(rows, tok, tok.eos_token_id)
@@ -107,7 +114,7 @@ def test_the_rows_hold_each_part_in_its_token_share_whatever_its_document_length
 
 def test_the_shares_read_resume_with_the_rows_and_only_under_the_same_mixture(tmp_path, tok):
     cfg = stream_cfg(lettered_parts(tmp_path, {"long": 0.6, "short": 0.4}, n=2000), shuffle_rows=16)
-    data = prepare_data(cfg, tok)
+    data = prepare_data(section(cfg), tok)
     straight = data.training_rows(64, seed=1)
     reference = [straight.step_rows(step, 6) for step in range(10)]
     first = data.training_rows(64, seed=1)
@@ -119,20 +126,20 @@ def test_the_shares_read_resume_with_the_rows_and_only_under_the_same_mixture(tm
         assert torch.equal(resumed.step_rows(step, 6), reference[step])
     assert resumed.mixture_read() == straight.mixture_read()
 
-    other = prepare_data(cfg | {"length_sample_documents": 50}, tok)  # another measurement: other probabilities
+    other = prepare_data(section(cfg | {"length_sample_documents": 50}), tok)  # another measurement, probabilities
     with pytest.raises(RuntimeError, match="not the one its checkpoint was read with"):
         other.training_rows(64, seed=1).load_state_dict(json.loads(json.dumps(first.state_dict())))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"length_sample_documents": 0}, "data.length_sample_documents: each part's mean document length"),
+@pytest.mark.parametrize("changes, message", [  # the schema's
+    ({"length_sample_documents": 0}, "data.length_sample_documents: must be positive"),
     ({"length_sample_documents": 2.5}, "data.length_sample_documents"),
     ({"missing_parts": None}, "data.missing_parts"),
 ])
 def test_mixture_settings_errors_name_the_field(tmp_path, changes, message):
     parts = lettered_parts(tmp_path, {"long": 1.0}, n=10)
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_data_config(stream_cfg(parts, **changes))
+        check_data_config(section(stream_cfg(parts, **changes)))
 
 
 # ---------------------------------------------------------------------------------------- parts without access
@@ -152,20 +159,20 @@ def test_a_part_without_access_is_refused_unless_renormalise_says_drop_it(tmp_pa
     monkeypatch.setattr(sources, "check_software_heritage_access", no_aws)
     cfg = stream_cfg(python_edu_mixture(tmp_path))
     with pytest.raises(ValueError, match=r"data\.mixture\[2\]\.blob_field: boto3 finds no AWS credentials"):
-        check_data_config(cfg)
+        check_data_config(section(cfg))
     blocked = []  # a dry run plans for the cluster: said, not fatal
-    check_data_config(cfg, missing_access=blocked)
+    check_data_config(section(cfg), missing_access=blocked)
     assert len(blocked) == 1 and "data.mixture[2]" in blocked[0]
-    assert mixture_token_shares(cfg) == [("long", 0.5), ("short", 0.3), ("python-edu", 0.2)]
+    assert mixture_token_shares(section(cfg)) == [("long", 0.5), ("short", 0.3), ("python-edu", 0.2)]
     with pytest.raises(ValueError, match=r"data\.missing_parts: .*expected one of refuse, renormalise, got 'drop'"):
-        check_data_config(cfg | {"missing_parts": "drop"})
+        check_data_config(section(cfg | {"missing_parts": "drop"}))
 
     cfg = cfg | {"missing_parts": "renormalise"}
     blocked = []
-    check_data_config(cfg, missing_access=blocked)
+    check_data_config(section(cfg), missing_access=blocked)
     assert blocked == []
-    assert mixture_token_shares(cfg) == [("long", pytest.approx(0.625)), ("short", pytest.approx(0.375))]
-    data = prepare_data(cfg, tok)
+    assert mixture_token_shares(section(cfg)) == [("long", pytest.approx(0.625)), ("short", pytest.approx(0.375))]
+    data = prepare_data(section(cfg), tok)
     mixture = data.stats["mixture"]
     assert mixture["token_shares"] == {"long": pytest.approx(0.625), "short": pytest.approx(0.375)}
     [dropped] = mixture["dropped"]
@@ -174,7 +181,7 @@ def test_a_part_without_access_is_refused_unless_renormalise_says_drop_it(tmp_pa
     assert set(tokens_per_part(rows, tok, tok.eos_token_id)) <= {"long", "short"}
 
     monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)  # with access: all kept
-    assert [name for name, _ in mixture_token_shares(cfg)] == ["long", "short", "python-edu"]
+    assert [name for name, _ in mixture_token_shares(section(cfg))] == ["long", "short", "python-edu"]
 
 
 def test_renormalise_with_nothing_left_is_an_error(tmp_path, monkeypatch):
@@ -183,7 +190,7 @@ def test_renormalise_with_nothing_left_is_an_error(tmp_path, monkeypatch):
     cfg = stream_cfg([{"name": "python-edu", "path": "json", "data_files": blobs, "weight": 1.0,
                        "blob_field": "blob_id"}], missing_parts="renormalise")
     with pytest.raises(ValueError, match=r"data\.missing_parts: renormalise drops every part"):
-        check_data_config(cfg)
+        check_data_config(section(cfg))
 
 
 def test_the_paper_mixture_opts_in_explicitly_and_its_text_variant_has_the_same_shares(monkeypatch):
@@ -195,9 +202,9 @@ def test_the_paper_mixture_opts_in_explicitly_and_its_text_variant_has_the_same_
     text = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus_text.yaml"))
     assert full["missing_parts"] == "refuse"  # the paper's mixture; dropping a part is the user's choice
     monkeypatch.setattr(sources, "check_software_heritage_access", no_aws)
-    dropped = mixture_token_shares(full | {"missing_parts": "renormalise"})
-    assert [name for name, _ in dropped] == [name for name, _ in mixture_token_shares(text)]
-    for (_, a), (_, b) in zip(dropped, mixture_token_shares(text)):
+    dropped = mixture_token_shares(section(full | {"missing_parts": "renormalise"}))
+    assert [name for name, _ in dropped] == [name for name, _ in mixture_token_shares(section(text))]
+    for (_, a), (_, b) in zip(dropped, mixture_token_shares(section(text))):
         assert a == pytest.approx(b, abs=1e-5)
 
 
@@ -285,7 +292,7 @@ def test_a_blob_part_streams_in_order_and_resumes_exactly(tmp_path, tok, fake_s3
     assert [ex["text"] for ex in sources.hub_mixture([part])] == list(texts.values())
     assert s3.most_in_flight > 1
 
-    data = prepare_data(stream_cfg([part], held_out_documents=5), tok)
+    data = prepare_data(section(stream_cfg([part], held_out_documents=5)), tok)
     straight = data.training_rows(64, seed=0)
     reference = [straight.step_rows(step, 4) for step in range(12)]
     first = data.training_rows(64, seed=0)
@@ -316,7 +323,7 @@ def test_documents_begin_with_bos_where_the_tokenizer_adds_it_as_lm_eval_scores(
     local = {"name": "toy-local", "source": "local", "paths": str(tmp_path / "docs.jsonl"), "seq_len": 16,
              "held_out_fraction": 0.2, "split_seed": 0}
     for cfg in (streamed, local):
-        data = prepare_data(cfg, llama_like, cache=False)
+        data = prepare_data(section(cfg), llama_like, cache=False)
         held_out = torch.cat([data.held_out.reshape(-1), data.held_out_tail]).tolist()
         training = (data.training_rows(16, seed=0).step_rows(0, 20) if cfg is streamed else data.train).reshape(-1)
         for stream in (held_out, training.tolist()):
@@ -324,7 +331,7 @@ def test_documents_begin_with_bos_where_the_tokenizer_adds_it_as_lm_eval_scores(
             assert starts and all(t == bos for t in starts), cfg["source"]
         assert held_out[0] == bos
         assert tokenizer_bos_count(held_out, bos) == int(data.held_out_doc_lengths.numel())  # one per document
-    byte_rows = prepare_data(local, tok, cache=False).train.reshape(-1).tolist()
+    byte_rows = prepare_data(section(local), tok, cache=False).train.reshape(-1).tolist()
     assert tok.bos_token_id == eos and byte_rows.count(eos) > 0  # its BOS is its EOS: only separators, no prefix
     assert not any(a == eos and b == eos for a, b in zip(byte_rows, byte_rows[1:]))
 
@@ -344,14 +351,14 @@ def test_a_token_cache_written_without_bos_is_never_read_for_a_tokenizer_that_ad
     llama_like = bos_tokenizer()
     with monkeypatch.context() as old_code:  # documents without BOS, as before: the same tokenizer fingerprint
         old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])
-        _, without_bos, _ = prepare.load_or_tokenize(cfg, llama_like, llama_like.eos_token_id)
-    tensors, with_bos, hit = prepare.load_or_tokenize(cfg, llama_like, llama_like.eos_token_id)
+        _, without_bos, _ = prepare.load_or_tokenize(section(cfg), llama_like, llama_like.eos_token_id)
+    tensors, with_bos, hit = prepare.load_or_tokenize(section(cfg), llama_like, llama_like.eos_token_id)
     assert with_bos != without_bos and not hit and tensors["train"][0] == llama_like.bos_token_id
     # a tokenizer that adds no BOS keeps the key it always had
     with monkeypatch.context() as old_code:
         old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])
-        _, before, _ = prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)
-    assert prepare.load_or_tokenize(cfg, tok, tok.eos_token_id)[1:] == (before, True)
+        _, before, _ = prepare.load_or_tokenize(section(cfg), tok, tok.eos_token_id)
+    assert prepare.load_or_tokenize(section(cfg), tok, tok.eos_token_id)[1:] == (before, True)
 
 
 def test_the_length_measurement_is_read_once_and_kept_for_the_other_processes(tmp_path, tok, monkeypatch):
@@ -365,11 +372,11 @@ def test_the_length_measurement_is_read_once_and_kept_for_the_other_processes(tm
     real = stream.part_stream
     monkeypatch.setattr(stream, "part_stream", lambda part: opened.append(part_name(part)) or real(part))
     parts = lettered_parts(tmp_path, {"long": 0.5, "short": 0.5}, n=600)
-    first = prepare_data(stream_cfg(parts), tok).stats["mixture"]
+    first = prepare_data(section(stream_cfg(parts)), tok).stats["mixture"]
     assert sorted(opened) == ["long", "short"]
     opened.clear()
-    again = prepare_data(stream_cfg(parts), tok).stats["mixture"]
+    again = prepare_data(section(stream_cfg(parts)), tok).stats["mixture"]
     assert opened == [] and again["mean_document_tokens"] == first["mean_document_tokens"]
     write_jsonl(Path(parts[0]["data_files"]), [{"text": f"l{i:05d}"} for i in range(600)])  # rewritten in place
-    assert prepare_data(stream_cfg(parts), tok).stats["mixture"]["mean_document_tokens"]["long"] < 10
+    assert prepare_data(section(stream_cfg(parts)), tok).stats["mixture"]["mean_document_tokens"]["long"] < 10
     assert "long" in opened  # measured anew

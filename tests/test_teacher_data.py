@@ -9,22 +9,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.data import prepare_data
 from mha2mla_exp.data.teacher import (
-    GenerationConfig, eos_ids, first_token_ids, generate_batch, generate_shards, generation_cost, shard_dir,
-    teacher_documents,
+    eos_ids, first_token_ids, generate_batch, generate_shards, generation_cost, shard_dir, teacher_documents,
 )
 from mha2mla_exp.models import build_random_model
+from mha2mla_exp.schema.sections import DataConfig, GenerationConfig
 from tests.conftest import TINY_BYTE_LM
 
-TEACHER = {"name": "tiny-random", "source": "random", "dtype": "float32", **TINY_BYTE_LM}
 
-
-def teacher_cfg(**generation) -> dict:
+def teacher_cfg(**generation) -> DataConfig:
     gen = {"count": 6, "length": 24, "greedy_tokens": 3, "top_k": 20, "seed": 0, "batch_size": 4,
            "dtype": "float32"} | generation
-    return {"name": "teacher-samples", "source": "teacher", "teacher": TEACHER, "generation": gen,
-            "seq_len": 16, "held_out_fraction": 0.3, "split_seed": 0, "separator": "eos"}
+    return typed_section(DataConfig, {"name": "teacher-samples", "source": "teacher", "teacher": TINY_BYTE_LM,
+                                      "generation": gen, "seq_len": 16, "held_out_fraction": 0.3, "split_seed": 0,
+                                      "separator": "eos"}, "data")
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def teacher():
     torch.manual_seed(0)
-    return build_random_model(TEACHER)
+    return build_random_model(TINY_BYTE_LM)
 
 
 def shards(cfg) -> dict[str, torch.Tensor]:
@@ -131,7 +131,7 @@ def _contains(stream: list[int], doc: list[int]) -> bool:
 
 @pytest.mark.parametrize("bad, field", [
     ({"count": 0}, "data.generation.count"), ({"temperature": 0}, "data.generation.temperature"),
-    ({"first_token": "list"}, "data.generation.first_words"), ({"colour": 1}, "data.generation: unknown"),
+    ({"first_token": "list"}, "data.generation.first_words"), ({"colour": 1}, "data.generation.colour"),
     ({"length": 1}, "data.generation.length"), ({"dtype": "int8"}, "data.generation.dtype"),
 ])
 def test_bad_generation_settings_are_refused_before_any_work(bad, field):

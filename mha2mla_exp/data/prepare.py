@@ -32,7 +32,7 @@ from .packing import concat_documents, is_held_out, pack
 from .rows import FiniteRows, rechunk
 from .stream import StreamMixture, TrainStream, plan_mixture, read_held_out, read_shares
 from .tokens import bos_prefix, tokenize_documents
-from ..confutil import as_plain_dict
+from ..schema.sections import DataConfig
 from .sources import check_data_config, corpus_fingerprint, iter_documents
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,9 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
-def resolve_separator(cfg: dict, tokenizer) -> int:
+def resolve_separator(data: DataConfig, tokenizer) -> int:
     """The document separator id: the tokenizer's EOS by default, or the token named by data.separator."""
-    sep = cfg.get("separator") or "eos"
+    sep = data.separator
     if sep == "eos":
         if tokenizer.eos_token_id is None:
             raise ValueError("data.separator: the tokenizer has no EOS token; name a separator token instead")
@@ -110,29 +110,29 @@ def resolve_separator(cfg: dict, tokenizer) -> int:
     return int(ids[0])
 
 
-def document_tokens(cfg: dict, tokenizer) -> Iterator[tuple[str, list[int]]]:
+def document_tokens(data: DataConfig, tokenizer) -> Iterator[tuple[str, list[int]]]:
     """(split key, token ids) per document, in the source's order. Text is tokenized in batches and split by
     its own text; a teacher source's samples are token ids already (decoding and encoding them again would
     not give the same ids back) and are split by their ids."""
-    if cfg["source"] == "teacher":
+    if data.source == "teacher":
         from .teacher import teacher_documents
 
-        for ids in teacher_documents(cfg, tokenizer):
+        for ids in teacher_documents(data, tokenizer):
             yield ",".join(map(str, ids)), ids
         return
-    texts = (t for t in iter_documents(cfg) if t.strip())  # blank documents would only add a separator
+    texts = (t for t in iter_documents(data) if t.strip())  # blank documents would only add a separator
     prefix = bos_prefix(tokenizer)
     while chunk := list(islice(texts, _CHUNK)):
         yield from zip(chunk, tokenize_documents(tokenizer, chunk, prefix))
 
 
-def tokenize_corpus(cfg: dict, tokenizer, separator: int) -> dict[str, torch.Tensor]:
+def tokenize_corpus(data: DataConfig, tokenizer, separator: int) -> dict[str, torch.Tensor]:
     """Read, split and tokenize the corpus; documents in each split are put in a seeded random order."""
-    fraction, seed = cfg["held_out_fraction"], cfg["split_seed"]
-    max_docs, max_tokens = cfg.get("max_documents"), cfg.get("max_tokens")
+    fraction, seed = data.held_out_fraction, data.split_seed
+    max_docs, max_tokens = data.max_documents, data.max_tokens
     docs: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
     n_tokens = 0
-    documents = document_tokens(cfg, tokenizer)
+    documents = document_tokens(data, tokenizer)
     if max_docs is not None:
         documents = islice(documents, int(max_docs))
     for key, tokens in documents:  # stops at the first document boundary past max_tokens
@@ -155,19 +155,20 @@ def _cache_path(name: str, material: dict) -> Path:
     return cache_dir() / "data" / f"{name}-{key}.safetensors"
 
 
-def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True) -> tuple[dict, Path | None, bool]:
+def load_or_tokenize(data: DataConfig, tokenizer, separator: int, *, cache: bool = True
+                     ) -> tuple[dict, Path | None, bool]:
     """The tokenized streams, from the cache when its key matches; returns (tensors, cache path, hit)."""
     material = {
         "format": CACHE_FORMAT,
-        "corpus": corpus_fingerprint(cfg),
+        "corpus": corpus_fingerprint(data),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "separator": separator,
-        "held_out_fraction": cfg["held_out_fraction"],
-        "split_seed": cfg["split_seed"],
+        "held_out_fraction": data.held_out_fraction,
+        "split_seed": data.split_seed,
     }
     if bos_prefix(tokenizer):  # documents start with BOS: only then in the key, so no earlier cache moves
         material["document_prefix"] = bos_prefix(tokenizer)
-    path = _cache_path(cfg.get("name") or cfg["source"], material) if cache else None
+    path = _cache_path(data.name or data.source, material) if cache else None
     key = json.dumps(material, sort_keys=True)
     if path is not None and path.is_file():
         try:
@@ -178,7 +179,7 @@ def load_or_tokenize(cfg: dict, tokenizer, separator: int, *, cache: bool = True
             log.warning("token cache %s was written for another key; tokenizing again", path)
         except Exception as e:  # a damaged cache file is rebuilt, never trusted
             log.warning("token cache %s is unreadable (%s); tokenizing again", path, e)
-    tensors = tokenize_corpus(cfg, tokenizer, separator)
+    tensors = tokenize_corpus(data, tokenizer, separator)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -197,7 +198,7 @@ class StreamedData:
     separator_id: int
     held_out: torch.Tensor
     held_out_tail: torch.Tensor
-    cfg: dict
+    data: DataConfig
     tokenizer: Any
     held_out_digests: set
     mixture: StreamMixture
@@ -211,14 +212,14 @@ class StreamedData:
     def training_rows(self, seq_len: int, seed: int) -> TrainStream:
         """The stream after the held-out documents, packed into rows of `seq_len`, each window of
         `data.shuffle_rows` rows in an order drawn from `seed` (data.stream)."""
-        return TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
-                           seed=seed, shuffle_rows=self.cfg.get("shuffle_rows", 0), mixture=self.mixture)
+        return TrainStream(self.data, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
+                           seed=seed, shuffle_rows=self.data.shuffle_rows, mixture=self.mixture)
 
     def sample_train(self, n: int, seq_len: int, seed: int, *, after_tokens: int = 0) -> torch.Tensor:
         """`n` rows of `seq_len` read in order from the training stream after its first `after_tokens` tokens
         (calibration reads the head of the fine-tuning mix, as in the paper; a later sample passes over the
         earlier ones'). A stream is read in order, so `seed` plays no part here: `after_tokens` does."""
-        rows = TrainStream(self.cfg, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
+        rows = TrainStream(self.data, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
                            mixture=self.mixture)
         rows.skip_tokens(after_tokens)
         return rows.next_rows(n)
@@ -230,16 +231,16 @@ def _row_documents(doc_lengths: torch.Tensor | None, stream: torch.Tensor, seq_l
     return row_documents(doc_lengths, seq_len, stream.numel() // seq_len)
 
 
-def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
-    name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
-    separator = resolve_separator(cfg, tokenizer)
-    mixture = plan_mixture(cfg, tokenizer)
-    stream, digests, n_docs, doc_lengths, held_out_by_source = read_held_out(cfg, tokenizer, separator, mixture)
+def prepare_stream(data: DataConfig, tokenizer) -> StreamedData:
+    name, seq_len = data.name or data.source, data.seq_len
+    separator = resolve_separator(data, tokenizer)
+    mixture = plan_mixture(data, tokenizer)
+    stream, digests, n_docs, doc_lengths, held_out_by_source = read_held_out(data, tokenizer, separator, mixture)
     packed = pack(stream, seq_len)
     if packed.rows.shape[0] == 0:
         raise ValueError(f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
                          f"{stream.numel()} tokens, not one held-out row of {seq_len}; hold out more")
-    stats = {"name": name, "source": cfg["source"], "streamed": True, "seq_len": seq_len, "separator_id": separator,
+    stats = {"name": name, "source": data.source, "streamed": True, "seq_len": seq_len, "separator_id": separator,
              "documents": {"held_out": n_docs}, "tokens": {"held_out": int(stream.numel())},
              "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"],
              "document_prefix": bos_prefix(tokenizer),  # [BOS] where the tokenizer adds it (data/tokens.py)
@@ -248,21 +249,20 @@ def prepare_stream(cfg: dict, tokenizer) -> StreamedData:
              "mixture": mixture.describe() | {"held_out": read_shares(held_out_by_source)}}
     log.info("data %r (streamed): %d held-out documents, %d rows", name, n_docs, packed.rows.shape[0])
     return StreamedData(name=name, seq_len=seq_len, separator_id=separator, held_out=packed.rows,
-                        held_out_tail=packed.tail, cfg=cfg, tokenizer=tokenizer, held_out_digests=digests,
+                        held_out_tail=packed.tail, data=data, tokenizer=tokenizer, held_out_digests=digests,
                         mixture=mixture, stats=stats,
                         held_out_doc_lengths=doc_lengths)
 
 
-def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedData | StreamedData:
-    """Tokenize (or load from cache), split by document and pack `data_cfg` for `tokenizer`; a hub source
-    is streamed instead (only its held-out documents are read here)."""
-    check_data_config(data_cfg)
-    cfg = as_plain_dict(data_cfg, "data")
-    if cfg["source"] == "hub":
-        return prepare_stream(cfg, tokenizer)
-    name, seq_len = cfg.get("name") or cfg["source"], cfg["seq_len"]
-    separator = resolve_separator(cfg, tokenizer)
-    tensors, path, hit = load_or_tokenize(cfg, tokenizer, separator, cache=cache)
+def prepare_data(data: DataConfig, tokenizer, *, cache: bool = True) -> PreparedData | StreamedData:
+    """Tokenize (or load from cache), split by document and pack the `data` section's corpus for `tokenizer`; a
+    hub source is streamed instead (only its held-out documents are read here)."""
+    check_data_config(data)
+    if data.source == "hub":
+        return prepare_stream(data, tokenizer)
+    name, seq_len = data.name or data.source, data.seq_len
+    separator = resolve_separator(data, tokenizer)
+    tensors, path, hit = load_or_tokenize(data, tokenizer, separator, cache=cache)
 
     packed = {split: pack(tensors[split], seq_len) for split in SPLITS}
     documents = {split: int(tensors[f"{split}_doc_lengths"].numel()) for split in SPLITS}
@@ -270,7 +270,7 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
         if documents[split] == 0:
             raise ValueError(
                 f"data.held_out_fraction: the {split} split of {name!r} got no documents "
-                f"({sum(documents.values())} read, fraction {cfg['held_out_fraction']}); change the fraction or read more"
+                f"({sum(documents.values())} read, fraction {data.held_out_fraction}); change the fraction or read more"
             )
         if packed[split].rows.shape[0] == 0:
             raise ValueError(
@@ -279,7 +279,7 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
             )
     stats = {
         "name": name,
-        "source": cfg["source"],
+        "source": data.source,
         "seq_len": seq_len,
         "separator_id": separator,
         "documents": documents,
@@ -290,10 +290,10 @@ def prepare_data(data_cfg: Any, tokenizer, *, cache: bool = True) -> PreparedDat
         "cache": str(path) if path else None,
         "cache_hit": hit,
     }
-    if cfg["source"] == "teacher":  # what writing the text cost, counted once per set (not per run)
+    if data.source == "teacher":  # what writing the text cost, counted once per set (not per run)
         from .teacher import generation_cost
 
-        stats["generation"] = generation_cost(cfg)
+        stats["generation"] = generation_cost(data)
     log.info("data %r: %s", name, {k: stats[k] for k in ("documents", "tokens", "rows")})
     return PreparedData(
         name=name, seq_len=seq_len, separator_id=separator,

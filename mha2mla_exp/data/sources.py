@@ -28,76 +28,41 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..confutil import as_plain_dict
+from ..schema.sections import DataConfig
 
-SOURCES = ("asset", "local", "hub", "teacher")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
-MISSING_PARTS = ("refuse", "renormalise")
-DEFAULT_LENGTH_SAMPLE = 1000  # documents per part whose mean length turns token shares into document probabilities
 
 
-def check_data_config(data_cfg: Any, *, missing_access: list[str] | None = None) -> None:
-    """Raise ValueError naming the field unless `data_cfg` can be read; reads no documents.
+def check_data_config(data: DataConfig, *, missing_access: list[str] | None = None) -> None:
+    """Raise ValueError naming the field unless `data` can be read; reads no documents. Types and ranges are the
+    schema's (schema/sections.DataConfig); this checks what the source needs: its asset, files, teacher or parts.
 
     What this machine lacks to read a valid config (python-edu's boto3 and AWS credentials) raises too, unless
     `missing_access` is a list: then it is appended there (a dry run plans for the cluster that has them)."""
-    cfg = as_plain_dict(data_cfg, "data")
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise ValueError(f"data.source: unknown source {source!r}; expected one of {', '.join(SOURCES)}")
-    seq_len = cfg.get("seq_len")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"data.seq_len: expected an integer >= 2, got {seq_len!r}")
-    fraction = cfg.get("held_out_fraction")
-    if source != "hub" and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1):
-        raise ValueError(f"data.held_out_fraction: expected a number in (0, 1), got {fraction!r}")
-    if isinstance(cfg.get("split_seed"), bool) or not isinstance(cfg.get("split_seed"), int):
-        raise ValueError(f"data.split_seed: expected an integer, got {cfg.get('split_seed')!r}")
-    for key in ("max_documents", "max_tokens"):
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1):
-            raise ValueError(f"data.{key}: expected a positive number or null, got {value!r}")
-
-    if source == "asset":
+    if data.source == "asset":
         from ..assets import get_asset
 
-        name = cfg.get("id")
         try:
-            get_asset(name, kind="text")
+            get_asset(data.id, kind="text")
         except ValueError as e:
-            extra = " (never train on evaluation data)" if name in _eval_assets() else ""
+            extra = " (never train on evaluation data)" if data.id in _eval_assets() else ""
             raise ValueError(f"data.id: {e}{extra}") from None
-    elif source == "local":
-        local_files(cfg.get("paths"))  # raises when nothing matches
-    elif source == "teacher":
+    elif data.source == "local":
+        local_files(data.paths)  # raises when nothing matches
+    elif data.source == "teacher":
         from .teacher import check_teacher_config
 
-        check_teacher_config(cfg)
+        check_teacher_config(data)
     else:
-        missing_parts = cfg.get("missing_parts", "refuse")
-        if missing_parts not in MISSING_PARTS:
-            raise ValueError(f"data.missing_parts: a mixture part this machine cannot read is refused or dropped "
-                             f"(the others renormalised); expected one of {', '.join(MISSING_PARTS)}, "
-                             f"got {missing_parts!r}")
-        check_mixture(cfg.get("mixture"), missing_access=missing_access, renormalise=missing_parts == "renormalise")
-        sample = cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)
-        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
-            raise ValueError(f"data.length_sample_documents: each part's mean document length is measured on its "
-                             f"first N documents; expected a positive integer, got {sample!r}")
+        check_mixture(data.mixture, missing_access=missing_access, renormalise=data.missing_parts == "renormalise")
         for key in ("max_tokens", "max_documents"):
-            if cfg.get(key) is not None:
+            if getattr(data, key) is not None:
                 raise ValueError(
                     f"data.{key}: a hub source is streamed, never cut: the fine-tune budget decides how much "
                     "is read (fresh tokens, no repetition); remove it"
                 )
-        held_out = cfg.get("held_out_documents")
-        if isinstance(held_out, bool) or not isinstance(held_out, int) or held_out < 1:
-            raise ValueError(f"data.held_out_documents: a streamed source holds out its first N documents; "
-                             f"expected a positive integer, got {held_out!r}")
-        shuffle = cfg.get("shuffle_rows", 0)
-        if isinstance(shuffle, bool) or not isinstance(shuffle, int) or shuffle < 0:
-            raise ValueError(f"data.shuffle_rows: rows are shuffled in windows of this many (0: in stream order); "
-                             f"expected a non-negative integer, got {shuffle!r}")
+        if data.held_out_documents is None:
+            raise ValueError("data.held_out_documents: a streamed source holds out its first N documents; set N")
 
 
 def _eval_assets() -> set[str]:
@@ -130,7 +95,7 @@ def check_mixture(mixture: Any, *, missing_access: list[str] | None = None, reno
     total = sum(p["weight"] for p in mixture)
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")
-    if renormalise and not available_parts({"mixture": mixture, "missing_parts": "renormalise"})[0]:
+    if renormalise and not available_parts(mixture, renormalise=True)[0]:
         raise ValueError("data.missing_parts: renormalise drops every part of data.mixture: this machine can "
                          "read none of them")
 
@@ -146,13 +111,14 @@ def part_access_error(part: dict, where: str) -> str | None:
     return None
 
 
-def available_parts(cfg: dict) -> tuple[list[tuple[dict, float]], list[dict]]:
-    """(part, token share) for the parts read, and the parts dropped with why. With `missing_parts: renormalise`
-    a part this machine cannot read is dropped and the others' weights renormalised to sum to 1; with `refuse`
-    (the default) every part is kept: validation refuses what cannot be read, a dry run plans for the cluster."""
+def available_parts(mixture: list[dict], *, renormalise: bool) -> tuple[list[tuple[dict, float]], list[dict]]:
+    """(part, token share) for the parts read, and the parts dropped with why. With `renormalise`
+    (`missing_parts: renormalise`) a part this machine cannot read is dropped and the others' weights renormalised
+    to sum to 1; without, every part is kept: validation refuses what cannot be read, a dry run plans for the
+    cluster."""
     kept, dropped = [], []
-    for i, part in enumerate(cfg["mixture"]):
-        access = part_access_error(part, f"data.mixture[{i}]") if cfg.get("missing_parts") == "renormalise" else None
+    for i, part in enumerate(mixture):
+        access = part_access_error(part, f"data.mixture[{i}]") if renormalise else None
         if access is None:
             kept.append(part)
         else:
@@ -161,10 +127,14 @@ def available_parts(cfg: dict) -> tuple[list[tuple[dict, float]], list[dict]]:
     return [(p, p["weight"] / total) for p in kept if total > 0], dropped
 
 
-def mixture_token_shares(data_cfg: Any) -> list[tuple[str, float]]:
+def mixture_parts(data: DataConfig) -> tuple[list[tuple[dict, float]], list[dict]]:
+    """`available_parts` of a hub source as `data.missing_parts` reads it."""
+    return available_parts(data.mixture, renormalise=data.missing_parts == "renormalise")
+
+
+def mixture_token_shares(data: DataConfig) -> list[tuple[str, float]]:
     """(part name, token share) of a hub mixture as it will be read, after any renormalisation."""
-    cfg = as_plain_dict(data_cfg, "data")
-    return [(part_name(part), share) for part, share in available_parts(cfg)[0]]
+    return [(part_name(part), share) for part, share in mixture_parts(data)[0]]
 
 
 # `datasets` builders that read local (or URL) files named by data_files instead of a hub repository
@@ -271,43 +241,42 @@ def read_local(files: list[Path], text_field: str = "text") -> Iterator[str]:
                 yield record[text_field]
 
 
-def corpus_fingerprint(cfg: dict) -> dict:
+def corpus_fingerprint(data: DataConfig) -> dict:
     """What identifies the documents a config reads (part of the token cache key)."""
-    source = cfg["source"]
-    limits = {"max_documents": cfg.get("max_documents"), "max_tokens": cfg.get("max_tokens")}
+    source = data.source
+    limits = {"max_documents": data.max_documents, "max_tokens": data.max_tokens}
     if source == "asset":
         from ..assets import get_asset
 
-        asset = get_asset(cfg["id"], kind="text")
+        asset = get_asset(data.id, kind="text")
         return {"source": source, "asset": asset.requirement, "sha256": asset.sha256} | limits
     if source == "local":
-        files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local_files(cfg.get("paths"))]
+        files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local_files(data.paths)]
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
-        return {"source": source, "files": digest, "text_field": cfg.get("text_field", "text")} | limits
+        return {"source": source, "files": digest, "text_field": data.text_field} | limits
     if source == "teacher":
         from dataclasses import asdict
 
-        from .teacher import GenerationConfig, teacher_fingerprint
+        from .teacher import teacher_fingerprint, teacher_model
 
-        return {"source": source, "teacher": teacher_fingerprint(cfg["teacher"]),
-                "generation": asdict(GenerationConfig.from_cfg(cfg["generation"]))} | limits
-    return {"source": source, "mixture": cfg["mixture"], "mixture_seed": cfg.get("mixture_seed", 0)} | limits
+        return {"source": source, "teacher": teacher_fingerprint(teacher_model(data)),
+                "generation": asdict(data.generation)} | limits
+    return {"source": source, "mixture": data.mixture, "mixture_seed": data.mixture_seed} | limits
 
 
-def iter_documents(data_cfg: Any) -> Iterator[str]:
-    """The documents of an asset or local `data_cfg`, in a fixed order (limits are applied by the caller); a
+def iter_documents(data: DataConfig) -> Iterator[str]:
+    """The documents of an asset or local `data` source, in a fixed order (limits are applied by the caller); a
     teacher source's are token ids (prepare.document_tokens reads them), a hub mixture's are streamed (stream.py)."""
-    cfg = as_plain_dict(data_cfg, "data")
-    if cfg["source"] == "teacher":
+    if data.source == "teacher":
         raise ValueError("data.source: a teacher source's documents are token ids; read them with "
                          "mha2mla_exp.data.prepare.document_tokens")
-    if cfg["source"] == "asset":
+    if data.source == "asset":
         from ..assets import asset_documents
 
-        for path in asset_documents(cfg["id"]):
+        for path in asset_documents(data.id):
             yield path.read_text(encoding="utf-8", errors="replace")
-    elif cfg["source"] == "local":
-        yield from read_local(local_files(cfg.get("paths")), cfg.get("text_field") or "text")
+    elif data.source == "local":
+        yield from read_local(local_files(data.paths), data.text_field)
     else:  # its weights are token shares: only the tokenizer turns them into the documents to read
         raise ValueError("data.source: a hub mixture is read by mha2mla_exp.data.stream (StreamMixture), whose "
                          "document probabilities come from the tokenizer; use prepare_data")

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from .sources import DEFAULT_LENGTH_SAMPLE, available_parts, hub_mixture, part_name, part_stream
+from ..schema.sections import DataConfig
+from .sources import hub_mixture, mixture_parts, part_name, part_stream
 from .tokens import bos_prefix, tokenize_documents
 
 log = logging.getLogger(__name__)
@@ -102,19 +103,18 @@ def read_shares(tokens_by_source: dict[str, int]) -> dict:
             "token_shares_read": {k: v / total for k, v in tokens_by_source.items()} if total else {}}
 
 
-def plan_mixture(cfg: dict, tokenizer) -> StreamMixture:
-    """The mixture `cfg` reads with this tokenizer: each part's mean document length measured on its first
+def plan_mixture(data: DataConfig, tokenizer) -> StreamMixture:
+    """The mixture `data` reads with this tokenizer: each part's mean document length measured on its first
     `length_sample_documents` documents, as they land in the stream (BOS, separator included)."""
-    kept, dropped = available_parts(cfg)
+    kept, dropped = mixture_parts(data)
     if dropped:
         log.warning("data.missing_parts=renormalise: dropped %s; token shares now %s",
                     [d["name"] for d in dropped], {part_name(p): round(s, 4) for p, s in kept})
     parts, shares = [p for p, _ in kept], [s for _, s in kept]
     means = counted = None
     if len(parts) > 1:
-        means, counted = _measured_lengths(parts, int(cfg.get("length_sample_documents", DEFAULT_LENGTH_SAMPLE)),
-                                           tokenizer)
-    mixture = StreamMixture(parts, shares, means, counted, dropped, seed=cfg.get("mixture_seed", 0))
+        means, counted = _measured_lengths(parts, data.length_sample_documents, tokenizer)
+    mixture = StreamMixture(parts, shares, means, counted, dropped, seed=data.mixture_seed)
     log.info("data mixture: %s", mixture.describe())
     return mixture
 
@@ -158,12 +158,12 @@ def _file_identity(part: dict) -> list:
             if "://" not in f and Path(f).is_file()]
 
 
-def read_held_out(cfg: dict, tokenizer, separator: int, mixture: StreamMixture | None = None
+def read_held_out(data: DataConfig, tokenizer, separator: int, mixture: StreamMixture | None = None
                   ) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor, dict[str, int]]:
     """The first `held_out_documents` documents as one token stream; their digests; the count read; each
     document's length in the stream (its separator included); the tokens per mixture part."""
-    mixture = mixture or plan_mixture(cfg, tokenizer)
-    wanted = int(cfg["held_out_documents"])
+    mixture = mixture or plan_mixture(data, tokenizer)
+    wanted = int(data.held_out_documents)
     docs, stream, lengths, by_source = [], [], [], {}
     for source, text in _documents(mixture.open()):
         docs.append((source, text))
@@ -184,10 +184,10 @@ def read_held_out(cfg: dict, tokenizer, separator: int, mixture: StreamMixture |
 class TrainStream:
     """Training rows `[n, seq_len]` read in order from the stream, skipping the held-out documents."""
 
-    def __init__(self, cfg: dict, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes], *,
+    def __init__(self, data: DataConfig, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes], *,
                  seed: int = 0, shuffle_rows: int = 0, mixture: StreamMixture | None = None):
-        self.cfg, self.tokenizer, self.separator, self.seq_len = cfg, tokenizer, separator, seq_len
-        self.mixture = mixture or plan_mixture(cfg, tokenizer)
+        self.data, self.tokenizer, self.separator, self.seq_len = data, tokenizer, separator, seq_len
+        self.mixture = mixture or plan_mixture(data, tokenizer)
         self.prefix = bos_prefix(tokenizer)
         self.seed, self.shuffle_rows = seed, int(shuffle_rows or 0)
         self.window: torch.Tensor | None = None  # the current window's rows, in their shuffled order
@@ -203,7 +203,7 @@ class TrainStream:
         self._iterator = None
 
     def _texts(self) -> Iterator[tuple[str, str]]:
-        held_out_head = int(self.cfg["held_out_documents"])
+        held_out_head = int(self.data.held_out_documents)
         for source, text in _documents(self.dataset):
             if self._skipped_head < held_out_head:
                 self._skipped_head += 1

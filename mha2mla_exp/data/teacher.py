@@ -33,122 +33,86 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..schema.sections import DataConfig, GenerationConfig, ModelConfig
+
 log = logging.getLogger(__name__)
 
-FIRST_TOKENS = ("vocabulary", "list")
 PUBLISHED_DIR = Path(__file__).resolve().parents[2] / "results" / "teacher_samples" / "shards"
 FORMAT = 1
 _PAD = -1  # after a sample's EOS
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How the teacher writes (data.generation). Every field but `count` is part of the shards' key."""
-
-    count: int                      # samples (documents) in the set
-    length: int = 256               # tokens per sample at most, the first token included
-    greedy_tokens: int = 4          # argmax tokens after the first one (LLM-QAT: "the first 3~5 tokens")
-    temperature: float = 1.0
-    top_k: int | None = None        # None: sample from the whole distribution (LLM-QAT)
-    first_token: str = "vocabulary"  # vocabulary (uniform over non-special tokens) | list (`first_words`)
-    first_words: tuple[str, ...] = ()
-    seed: int = 0
-    batch_size: int = 32            # samples per batch = per shard: the unit of seeding and of resume
-    dtype: str = "bfloat16"         # the teacher's compute dtype while generating (float32 | bfloat16)
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "GenerationConfig":
-        """Validated from a mapping; ValueError naming `data.generation.<key>`."""
-        if not isinstance(cfg, Mapping):
-            raise ValueError(f"data.generation: a teacher source needs a mapping of generation settings, got {cfg!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(cfg) - known
-        if unknown:
-            raise ValueError(f"data.generation: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-        values = dict(cfg)
-        if "first_words" in values:
-            values["first_words"] = tuple(values["first_words"] or ())
-        for key in ("count", "length", "batch_size"):
-            _positive_int(values.get(key, getattr(cls, key, None)), key)
-        if values.get("length", cls.length) < 2:
-            raise ValueError(f"data.generation.length: a sample needs at least 2 tokens, got {values['length']}")
-        greedy = values.get("greedy_tokens", cls.greedy_tokens)
-        if isinstance(greedy, bool) or not isinstance(greedy, int) or greedy < 0:
-            raise ValueError(f"data.generation.greedy_tokens: expected an integer >= 0, got {greedy!r}")
-        temperature = values.get("temperature", cls.temperature)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
-            raise ValueError(f"data.generation.temperature: expected a positive number, got {temperature!r}")
-        top_k = values.get("top_k")
-        if top_k is not None:
-            _positive_int(top_k, "top_k")
-        first = values.get("first_token", cls.first_token)
-        if first not in FIRST_TOKENS:
-            raise ValueError(f"data.generation.first_token: unknown {first!r}; expected one of {', '.join(FIRST_TOKENS)}")
-        if first == "list" and not values.get("first_words"):
-            raise ValueError("data.generation.first_words: first_token='list' needs a non-empty list of words")
-        if values.get("dtype", cls.dtype) not in ("float32", "bfloat16"):
-            raise ValueError(f"data.generation.dtype: expected float32 or bfloat16, got {values['dtype']!r}")
-        if isinstance(values.get("seed", 0), bool) or not isinstance(values.get("seed", 0), int):
-            raise ValueError(f"data.generation.seed: expected an integer, got {values['seed']!r}")
-        return cls(**values)
-
-    @property
-    def shards(self) -> int:
-        return -(-self.count // self.batch_size)
-
-    def key_material(self) -> dict:
-        """What the shards' tokens depend on: everything but the count (more samples extend a set)."""
-        return {k: v for k, v in asdict(self).items() if k != "count"}
+def shard_count(gen: GenerationConfig) -> int:
+    """Shards of the set: one batch of `batch_size` samples each."""
+    return -(-gen.count // gen.batch_size)
 
 
-def _positive_int(value, key: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"data.generation.{key}: expected a positive integer, got {value!r}")
+def key_material(gen: GenerationConfig) -> dict:
+    """What the shards' tokens depend on: every generation setting but the count (more samples extend a set)."""
+    return {k: v for k, v in asdict(gen).items() if k != "count"}
 
 
-def check_teacher_config(cfg: Mapping) -> GenerationConfig:
-    """The checks of a `source: teacher` data config that need no weights: the generation block and the
-    teacher's model config (data.teacher, by default the run's model)."""
+def teacher_model(data: DataConfig) -> ModelConfig:
+    """`data.teacher` as a model section. The schema types it Any (`${model}` is interpolated after composition),
+    so a composed config gives a ModelConfig and a recorded config.yaml a mapping, typed here."""
+    if isinstance(data.teacher, ModelConfig):
+        return data.teacher
+    if not isinstance(data.teacher, Mapping):
+        raise ValueError(f"data.teacher: a teacher source names the model that writes it (a model config; "
+                         f"conf/data/teacher_samples.yaml uses the run's own, ${{model}}), got {data.teacher!r}")
+    from ..confutil import typed_section
+
+    return typed_section(ModelConfig, data.teacher, "data.teacher")
+
+
+def check_teacher_config(data: DataConfig) -> GenerationConfig:
+    """The checks of a `source: teacher` data section that need no weights and that the schema's types and ranges
+    leave: the teacher's model (data.teacher, by default the run's model) and the generation block's settings that
+    go together."""
     from ..models import check_model_config
 
-    teacher = cfg.get("teacher")
-    if not isinstance(teacher, Mapping):
-        raise ValueError(f"data.teacher: a teacher source names the model that writes it (a model config; "
-                         f"conf/data/teacher_samples.yaml uses the run's own, ${{model}}), got {teacher!r}")
     try:
-        check_model_config(teacher)
+        check_model_config(teacher_model(data))
     except ValueError as err:
-        raise ValueError(f"data.teacher: {err}") from None
-    return GenerationConfig.from_cfg(cfg.get("generation"))
+        raise ValueError(f"data.teacher: {err}" if not str(err).startswith("data.teacher") else str(err)) from None
+    gen = data.generation
+    if gen is None:
+        raise ValueError("data.generation: a teacher source needs its generation settings")
+    if gen.length < 2:
+        raise ValueError(f"data.generation.length: a sample needs at least 2 tokens, got {gen.length}")
+    if gen.first_token == "list" and not gen.first_words:
+        raise ValueError("data.generation.first_words: first_token='list' needs a non-empty list of words")
+    return gen
 
 
-def teacher_fingerprint(teacher: Mapping) -> dict:
+def teacher_fingerprint(teacher: ModelConfig) -> dict:
     """What identifies the model that writes: its source and id (an asset by its pinned wheel and sha256)."""
-    fp = {k: teacher.get(k) for k in ("source", "id", "revision")}
-    if teacher.get("source") == "asset":
+    fp = {"source": teacher.source, "id": teacher.id, "revision": teacher.revision}
+    if teacher.source == "asset":
         from ..assets import get_asset
 
-        asset = get_asset(teacher["id"], kind="model")
+        asset = get_asset(teacher.id, kind="model")
         fp |= {"asset": asset.requirement, "sha256": asset.sha256}
-    elif teacher.get("source") == "random":
-        fp |= {k: teacher.get(k) for k in ("shape", "vocab_size", "intermediate_size", "seed")}
+    elif teacher.source == "random":
+        fp |= {"shape": asdict(teacher.shape), "vocab_size": teacher.vocab_size,
+               "intermediate_size": teacher.intermediate_size, "seed": teacher.seed}
     return fp
 
 
-def shard_dir(cfg: Mapping) -> Path:
+def shard_dir(data: DataConfig) -> Path:
+    """The cache folder of the set `data` (a teacher source) names: the teacher and every setting but the count."""
     from ..assets import cache_dir
 
-    gen = GenerationConfig.from_cfg(cfg["generation"])
-    material = {"format": FORMAT, "teacher": teacher_fingerprint(cfg["teacher"]), "generation": gen.key_material()}
+    teacher = teacher_model(data)
+    material = {"format": FORMAT, "teacher": teacher_fingerprint(teacher), "generation": key_material(data.generation)}
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
-    name = str(cfg["teacher"].get("name") or cfg["teacher"].get("id") or "teacher").replace("/", "_")
+    name = str(teacher.name or teacher.id or "teacher").replace("/", "_")
     return cache_dir() / "teacher" / f"{name}-{key}"
 
 
@@ -196,7 +160,7 @@ def generate_batch(model, first: torch.Tensor, gen: GenerationConfig, generator:
             nxt = logits.argmax(-1)
         else:
             logits = logits / gen.temperature
-            if gen.top_k is not None and gen.top_k < logits.shape[-1]:
+            if gen.top_k and gen.top_k < logits.shape[-1]:  # 0: off
                 kth = logits.topk(gen.top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
@@ -214,37 +178,37 @@ def shard_seed(gen: GenerationConfig, shard: int) -> int:
     return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def generate_shards(cfg: Mapping, tokenizer, *, model=None, progress: bool = True) -> Path:
-    """Make every missing shard of the set `cfg` (a `source: teacher` data config) names; returns the folder.
+def generate_shards(data: DataConfig, tokenizer, *, model=None, progress: bool = True) -> Path:
+    """Make every missing shard of the set `data` (a `source: teacher` data section) names; returns the folder.
 
     The teacher is loaded only when a shard is missing (`model` overrides loading it)."""
-    gen = check_teacher_config(cfg)
-    folder = shard_dir(cfg)
+    gen = check_teacher_config(data)
+    folder = shard_dir(data)
     folder.mkdir(parents=True, exist_ok=True)
-    missing = [s for s in range(gen.shards) if not (folder / _shard_name(s)).is_file()]
+    missing = [s for s in range(shard_count(gen)) if not (folder / _shard_name(s)).is_file()]
     if not missing:
         return folder
     from filelock import FileLock
 
     with FileLock(str(folder / ".lock")):  # one writer per set, even across runs of a parallel sweep
         _copy_published(folder, gen)
-        missing = [s for s in range(gen.shards) if not (folder / _shard_name(s)).is_file()]
+        missing = [s for s in range(shard_count(gen)) if not (folder / _shard_name(s)).is_file()]
         if not missing:
             return folder
         if model is None:
             from ..models import load_model
 
-            model, _ = load_model(cfg["teacher"], dtype=gen.dtype)
+            model, _ = load_model(teacher_model(data), dtype=gen.dtype)
         else:
             model = model.to(getattr(torch, gen.dtype))
         _check_same_tokenizer(model, tokenizer)
         model.eval()
         device = next(model.parameters()).device
         eos = eos_ids(model, tokenizer)
-        manifest = _read_manifest(folder) or {"format": FORMAT, "teacher": teacher_fingerprint(cfg["teacher"]),
-                                              "generation": gen.key_material(), "shards": {}}
+        manifest = _read_manifest(folder) or {"format": FORMAT, "teacher": teacher_fingerprint(teacher_model(data)),
+                                              "generation": key_material(gen), "shards": {}}
         bar = _progress(len(missing) * gen.batch_size * gen.length, progress,
-                        f"teacher samples ({len(missing)} of {gen.shards} batches to write)")
+                        f"teacher samples ({len(missing)} of {shard_count(gen)} batches to write)")
         for shard in missing:
             cpu, wall = time.process_time(), time.perf_counter()
             generator = torch.Generator().manual_seed(shard_seed(gen, shard))
@@ -271,7 +235,7 @@ def _copy_published(folder: Path, gen: GenerationConfig, published_root: Path | 
     if published is None:
         return
     manifest = _read_manifest(folder) or {k: published[k] for k in ("format", "teacher", "generation")} | {"shards": {}}
-    for shard in range(gen.shards):
+    for shard in range(shard_count(gen)):
         name = _shard_name(shard)
         if (folder / name).is_file() or not (source / name).is_file():
             continue
@@ -282,44 +246,44 @@ def _copy_published(folder: Path, gen: GenerationConfig, published_root: Path | 
     _write_manifest(folder, manifest)
 
 
-def publish_shards(cfg: Mapping, published_root: Path | None = None) -> Path:
+def publish_shards(data: DataConfig, published_root: Path | None = None) -> Path:
     """Copy the set's first `count` samples' shards and their manifest from the cache into the repository's
     published folder (generating what is missing first is the caller's job); returns that folder."""
-    gen = GenerationConfig.from_cfg(cfg["generation"])
-    folder = shard_dir(cfg)
+    gen = data.generation
+    folder = shard_dir(data)
     dest = (published_root or PUBLISHED_DIR) / folder.name
     dest.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(folder)
-    names = [_shard_name(s) for s in range(gen.shards)]
+    names = [_shard_name(s) for s in range(shard_count(gen))]
     if manifest is None or any(not (folder / n).is_file() for n in names):
         raise FileNotFoundError(f"teacher set {folder} is incomplete: generate it before publishing")
     for name in names:
         shutil.copyfile(folder / name, dest / name)
-    kept = {str(s): manifest["shards"][str(s)] for s in range(gen.shards)}
+    kept = {str(s): manifest["shards"][str(s)] for s in range(shard_count(gen))}
     _write_manifest(dest, {k: manifest[k] for k in ("format", "teacher", "generation")} | {"shards": kept})
     return dest
 
 
-def teacher_documents(cfg: Mapping, tokenizer, *, model=None) -> Iterator[list[int]]:
+def teacher_documents(data: DataConfig, tokenizer, *, model=None) -> Iterator[list[int]]:
     """The first `count` samples of the set, in shard order, as token-id lists (EOS and what follows cut),
     generating the shards that are missing first."""
-    gen = GenerationConfig.from_cfg(cfg["generation"])
-    folder = generate_shards(cfg, tokenizer, model=model)
+    gen = data.generation
+    folder = generate_shards(data, tokenizer, model=model)
     left = gen.count
-    for shard in range(gen.shards):
+    for shard in range(shard_count(gen)):
         ids = load_file(folder / _shard_name(shard))["ids"].long()
         for row in ids[:left]:
             yield row[row != _PAD].tolist()
         left -= len(ids)
 
 
-def generation_cost(cfg: Mapping) -> dict:
+def generation_cost(data: DataConfig) -> dict:
     """What the first `count` samples cost to write (from the manifest): tokens, CPU-seconds, wall seconds."""
-    gen = GenerationConfig.from_cfg(cfg["generation"])
-    shards = (_read_manifest(shard_dir(cfg)) or {}).get("shards", {})
-    used = [shards.get(str(s)) for s in range(gen.shards)]
+    gen = data.generation
+    shards = (_read_manifest(shard_dir(data)) or {}).get("shards", {})
+    used = [shards.get(str(s)) for s in range(shard_count(gen))]
     known = [s for s in used if s]
-    return {"shards": gen.shards, "shards_with_cost": len(known), "tokens": sum(s["tokens"] for s in known),
+    return {"shards": shard_count(gen), "shards_with_cost": len(known), "tokens": sum(s["tokens"] for s in known),
             "cpu_s": round(sum(s["cpu_s"] for s in known), 1), "wall_s": round(sum(s["wall_s"] for s in known), 1),
             "machines": sorted({s["machine"] for s in known})}
 

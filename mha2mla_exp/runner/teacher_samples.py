@@ -16,15 +16,16 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from ..confutil import CONF_DIR
+from ..confutil import CONF_DIR, typed_section
 from ..data import prepare_data
-from ..data.teacher import generation_cost, publish_shards, shard_dir, teacher_documents
+from ..data.teacher import generation_cost, publish_shards, shard_dir, teacher_documents, teacher_model
 from ..models import load_tokenizer
+from ..schema.sections import RunConfig
 from .record import write_json_atomic
 
 
@@ -37,12 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["data=teacher_samples", *args.overrides])
-    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-    tokenizer = load_tokenizer(cfg.model)
-    prepared = prepare_data(cfg.data, tokenizer)  # generates what is missing, then splits and packs
+        composed = compose(config_name="config", overrides=["data=teacher_samples", *args.overrides])
+    config = typed_section(RunConfig, composed)
+    data = config.data
+    tokenizer = load_tokenizer(config.model)
+    prepared = prepare_data(data, tokenizer)  # generates what is missing, then splits and packs
     shown = []
-    for i, ids in enumerate(teacher_documents(data_cfg, tokenizer)):
+    for i, ids in enumerate(teacher_documents(data, tokenizer)):
         if i >= args.show:
             break
         shown.append({"sample": i, "tokens": len(ids), "text": tokenizer.decode(ids)})
@@ -50,16 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     (args.publish / "sample.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in shown))
     summary = {
         "command": "python -m mha2mla_exp.runner.teacher_samples " + " ".join(args.overrides),
-        "data": data_cfg | {"teacher": {k: data_cfg["teacher"].get(k) for k in ("name", "source", "id")}},
-        "cache": str(shard_dir(data_cfg)),
+        "data": asdict(data) | {"teacher": {k: getattr(teacher_model(data), k) for k in ("name", "source", "id")}},
+        "cache": str(shard_dir(data)),
         "split": {k: prepared.stats[k] for k in ("documents", "tokens", "rows")},
-        "cost": generation_cost(data_cfg),
+        "cost": generation_cost(data),
     }
     if not args.no_shards:
-        summary["published_shards"] = str(publish_shards(data_cfg, args.publish / "shards"))
+        summary["published_shards"] = str(publish_shards(data, args.publish / "shards"))
     write_json_atomic(args.publish / "generation.json", summary)
     cost = summary["cost"]
-    print(f"[teacher_samples] {data_cfg['generation']['count']} samples, {cost['tokens']:,} tokens, "
+    print(f"[teacher_samples] {data.generation.count} samples, {cost['tokens']:,} tokens, "
           f"{cost['wall_s']:.0f} s wall / {cost['cpu_s']:.0f} CPU-s on {', '.join(cost['machines'])}; "
           f"published {len(shown)} in {args.publish}")
     return 0
