@@ -10,11 +10,13 @@ import sys
 import pytest
 import torch
 
-from mha2mla_exp.evaluation.commonsense import COLUMNS, CommonsenseConfig, aggregate, evaluate_commonsense, task_names
+from mha2mla_exp.confutil import typed_section
+from mha2mla_exp.evaluation.commonsense import COLUMNS, aggregate, evaluate_commonsense, task_names
 from mha2mla_exp.evaluation.fixtures import commonsense_tree
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.evaluation.run import parse_eval_config
+from mha2mla_exp.evaluation.run import check_eval_config
 from mha2mla_exp.evaluation.tasks import sample_indices
+from mha2mla_exp.schema.sections import CommonsenseConfig, EvalConfig, ModelConfig
 
 SUBJECTS = ("anatomy", "astronomy")
 
@@ -132,8 +134,8 @@ def test_mla_model_runs_through_hflm(tiny, data_root):
     ({"ruler": {"enabled": True}}, "ruler"),
 ])
 def test_bad_config_fails_before_any_work(bad, match):
-    with pytest.raises(ValueError, match=match):
-        parse_eval_config(bad)
+    with pytest.raises(ValueError, match=match):  # the schema's types and ranges, then the suite's own checks
+        check_eval_config(typed_section(EvalConfig, bad, "eval"))
 
 
 def test_missing_offline_data_is_a_clear_error(tiny, tmp_path):
@@ -149,7 +151,7 @@ def test_smollm2_arc_challenge_matches_an_independent_lm_eval_run():
     recorded (results/eval/smollm2-135m/commonsense_limit500). Deterministic, no sampling error."""
     from mha2mla_exp.models import load_model
 
-    model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
+    model, tokenizer = load_model(ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m", dtype="float32"))
     scores, meta, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=16),
                                         CommonsenseConfig(tasks=("arc_challenge",)))
     assert meta["n_docs"]["arc_challenge"] == 299

@@ -5,15 +5,18 @@ QuantizedCache defaults); the measured bytes per token are recorded next to the 
 import pytest
 import torch
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.fixtures import text_files
 from mha2mla_exp.evaluation.kv import KVQuant, new_cache, nominal_ratio
 from mha2mla_exp.evaluation.run import run_evaluation
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.models import build_random_model
+from mha2mla_exp.schema.sections import EvalConfig, KVQuantConfig, ModelConfig, PerplexityConfig, ShapeConfig
 
 # n_kv * d_h = 64: transformers' quanto KV layers need the flattened head dims to fill whole groups of 64
-TINY = {"shape": {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
-                  "rope_base": 10000, "context_length": 512}, "vocab_size": 320, "intermediate_size": 128, "seed": 0}
+TINY = ModelConfig(name="tiny-random", source="random", vocab_size=320, intermediate_size=128, seed=0,
+                   shape=ShapeConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     rope_base=10000, context_length=512))
 QUANTS = [{"backend": b, "nbits": n, "residual_length": 128} for b in ("hqq", "quanto") for n in (4, 2)]
 CACHE_LABEL = {("mla", "tokens"): "quantized latent, groups of 64 tokens per channel",
                ("original", "tokens"): "quantized K/V, groups of 64 tokens per channel",
@@ -34,9 +37,10 @@ def models():
 @pytest.fixture(scope="module")
 def eval_cfg(tmp_path_factory):
     files = [str(p) for p in text_files(tmp_path_factory.mktemp("texts"), n_docs=3, sentences=60)]
-    return {"perplexity": {"enabled": True, "batch_size": 2},
-            "long_context": {"enabled": True, "lengths": [480], "depths": [0.5], "samples_per_depth": 2,
-                             "texts": files, "batch_size": 2}}
+    return typed_section(EvalConfig, {
+        "perplexity": {"enabled": True, "batch_size": 2},
+        "long_context": {"enabled": True, "lengths": [480], "depths": [0.5], "samples_per_depth": 2, "ppl_lengths": [],
+                         "texts": files, "batch_size": 2}}, "eval")
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +60,7 @@ def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantiz
     by_kind, tokenizer = models
     model = by_kind[kind]
     quant = quant | {"grouping": grouping}
-    out = run_evaluation(model, tokenizer, eval_cfg, kv_quant=quant, window=512)
+    out = run_evaluation(model, tokenizer, eval_cfg, kv_quant=KVQuant(**quant), window=512)
     kv, plain = out["kv_cache"], unquantized[kind]["kv_cache"]
     assert kv["kv_quant"] == KVQuant(**quant).to_dict() and kv["generate_calls"] == 1  # one batch of 2 prompts
     assert kv["cache"] == CACHE_LABEL[kind, grouping]
@@ -73,7 +77,7 @@ def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantiz
 def test_int2_holds_fewer_bytes_than_int4(models, eval_cfg):
     by_kind, tokenizer = models
     for model in by_kind.values():
-        four, two = (run_evaluation(model, tokenizer, eval_cfg, kv_quant={"backend": "hqq", "nbits": n}, window=512)
+        four, two = (run_evaluation(model, tokenizer, eval_cfg, kv_quant=KVQuant(backend="hqq", nbits=n), window=512)
                      ["kv_cache"]["bytes_per_token_measured"] for n in (4, 2))
         assert two < four
 
@@ -92,7 +96,8 @@ def test_unquantized_caches_and_nominal_ratios(models, unquantized):
 
 def test_no_generation_task_means_no_cache_measurement(models):
     by_kind, tokenizer = models
-    out = run_evaluation(by_kind["mla"], tokenizer, {"perplexity": {"enabled": False}}, kv_quant=QUANTS[0])
+    out = run_evaluation(by_kind["mla"], tokenizer, EvalConfig(perplexity=PerplexityConfig(enabled=False)),
+                         kv_quant=KVQuant(**QUANTS[0]))
     assert "bytes_per_token_measured" not in out["kv_cache"] and "no KV cache" in out["kv_cache"]["note"]
 
 
@@ -112,12 +117,15 @@ def test_mha_and_mla_caches_share_one_quantizer(models, backend):
 
 
 def test_bad_kv_quant_is_rejected():
-    with pytest.raises(ValueError, match="grouping"):
-        KVQuant.from_cfg({"backend": "hqq", "nbits": 4, "grouping": "heads"})
+    def quantization(**section) -> KVQuant | None:
+        return KVQuant.from_config(typed_section(KVQuantConfig, section, "kv_quant"))
+
+    with pytest.raises(ValueError, match="kv_quant.grouping: expected one of"):  # the schema's
+        quantization(backend="hqq", nbits=4, grouping="heads")
     with pytest.raises(ValueError, match="original model"):
         KVQuant(grouping="transformers").check_model(converted=True)
-    with pytest.raises(ValueError, match="backend"):
-        KVQuant.from_cfg({"backend": "gptq", "nbits": 4})
-    with pytest.raises(ValueError, match="nbits"):
-        KVQuant.from_cfg({"backend": "quanto", "nbits": 8})
-    assert KVQuant.from_cfg({"backend": None, "nbits": None, "residual_length": 128, "q_group_size": 64}) is None
+    with pytest.raises(ValueError, match="kv_quant.backend: expected one of"):
+        quantization(backend="gptq", nbits=4)
+    with pytest.raises(ValueError, match="nbits"):  # the backend's bits
+        quantization(backend="quanto", nbits=8)
+    assert quantization(backend=None, nbits=None) is None

@@ -8,9 +8,10 @@ import torch
 
 from mha2mla_exp.evaluation.fixtures import text_files
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.evaluation.long_context import (NEEDLE, PREFIX, QUESTION, LongContextConfig, evaluate_long_context,
-                                                 load_texts, passkey_docs, ppl_docs)
+from mha2mla_exp.evaluation.long_context import (NEEDLE, PREFIX, QUESTION, evaluate_long_context, load_texts,
+                                                 passkey_docs, ppl_docs)
 from mha2mla_exp.evaluation.perplexity import perplexity
+from mha2mla_exp.schema.sections import LongContextConfig, ModelConfig
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
@@ -24,7 +25,7 @@ def _env(tmp_path, monkeypatch):
 
 def test_passkey_docs_are_deterministic_and_hold_the_answer(tiny, texts):
     _, tokenizer = tiny
-    cfg = LongContextConfig(lengths=(480,), depths=(0.0, 0.5, 1.0), samples_per_depth=3)
+    cfg = LongContextConfig(lengths=(480,), depths=(0.0, 0.5, 1.0), samples_per_depth=3, ppl_lengths=())
     docs = passkey_docs(tokenizer, texts, 480, cfg)
     assert docs == passkey_docs(tokenizer, texts, 480, cfg)
     assert len(docs) == 9 and len({d["answer"] for d in docs}) == 9
@@ -37,7 +38,8 @@ def test_passkey_docs_are_deterministic_and_hold_the_answer(tiny, texts):
     first, last = docs[0], docs[-1]  # depth 0: right after the instruction; depth 1: right before the question
     assert first["input"][len(PREFIX):].startswith(NEEDLE.format(key=first["answer"]))
     assert last["input"][: -len(QUESTION)].endswith(NEEDLE.format(key=last["answer"]))
-    other = passkey_docs(tokenizer, texts, 480, LongContextConfig(lengths=(480,), depths=(0.0,), seed=7))
+    other = passkey_docs(tokenizer, texts, 480, LongContextConfig(lengths=(480,), depths=(0.0,), seed=7,
+                                                                  ppl_lengths=()))
     assert other[0]["answer"] != first["answer"]
 
 
@@ -100,8 +102,8 @@ def test_smollm2_retrieves_the_passkey_and_nope_does_worse():
     from mha2mla_exp.mla import convert_to_mla
     from mha2mla_exp.models import load_model
 
-    model, tokenizer = load_model({"source": "asset", "id": "smollm2-135m", "name": "smollm2-135m", "dtype": "float32"})
-    cfg = LongContextConfig(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75), samples_per_depth=1)
+    model, tokenizer = load_model(ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m", dtype="float32"))
+    cfg = LongContextConfig(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75), samples_per_depth=1, ppl_lengths=())
     original, _, _, _ = evaluate_long_context(EvalLM(model, tokenizer, window=2048), tokenizer, cfg)
     nope = convert_to_mla(model, rope="none", svd="none")
     converted, _, _, _ = evaluate_long_context(EvalLM(nope, tokenizer, window=2048), tokenizer, cfg)

@@ -7,8 +7,10 @@ from lm_eval.api.model import LM
 
 from mha2mla_exp.evaluation.fixtures import longbench_dir
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.evaluation.longbench import SUBSETS, LongBenchConfig, evaluate_longbench
-from mha2mla_exp.evaluation.run import parse_eval_config
+from mha2mla_exp.confutil import typed_section
+from mha2mla_exp.evaluation.longbench import SUBSETS, evaluate_longbench
+from mha2mla_exp.evaluation.run import check_eval_config
+from mha2mla_exp.schema.sections import EvalConfig, LongBenchConfig
 
 CLASSES = ["Description", "Entity", "Abbreviation", "Human being", "Location", "Number"]
 # subset -> [(record, canned model output, hand-computed score)]
@@ -110,10 +112,9 @@ def test_lm_eval_postprocessing_differs_where_longbench_does(data_dir):
 
 def test_tiny_model_end_to_end_with_middle_truncation(tmp_path):
     from mha2mla_exp.models import build_random_model
+    from tests.conftest import tiny_byte_lm
 
-    shape = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-             "rope_base": 10000, "context_length": 512}
-    model, tokenizer = build_random_model({"shape": shape, "vocab_size": 320, "intermediate_size": 128})
+    model, tokenizer = build_random_model(tiny_byte_lm())
     long = " ".join(f"sentence {i} of a long story." for i in range(100))
     data = longbench_dir(tmp_path / "lb", {
         "passage_count": [{"context": long, "answers": ["2"]}],
@@ -132,10 +133,13 @@ def test_tiny_model_end_to_end_with_middle_truncation(tmp_path):
 
 
 def test_clear_errors_before_any_work(tmp_path):
+    def check(longbench: dict):
+        check_eval_config(typed_section(EvalConfig, {"longbench": {"enabled": True} | longbench}, "eval"))
+
     with pytest.raises(ValueError, match="unknown LongBench subset"):
-        parse_eval_config({"longbench": {"enabled": True, "subsets": ["narrativeqa", "lsht"]}})
+        check({"subsets": ["narrativeqa", "lsht"]})
     with pytest.raises(FileNotFoundError, match="qasper.jsonl"):
-        parse_eval_config({"longbench": {"enabled": True, "subsets": ["qasper"], "data_dir": str(tmp_path)}})
+        check({"subsets": ["qasper"], "data_dir": str(tmp_path)})
     with pytest.raises(RuntimeError, match="data_dir"):  # the hub is off (HF_HUB_OFFLINE=1) and no local data
-        parse_eval_config({"longbench": {"enabled": True}})
+        check({})
     assert len(SUBSETS) == 16

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.placement import EvalPlacement
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.runner import stages
+from mha2mla_exp.schema.sections import EvalConfig
 
 from conftest import TINY_BYTE_LM
 
@@ -45,11 +46,10 @@ def test_the_original_loads_like_every_other_row_on_cuda(monkeypatch):
         return "model", "tokenizer"
 
     monkeypatch.setattr("mha2mla_exp.models.load_model", fake_load_model)
-    cfg = OmegaConf.create({"model": {"dtype": "auto"}})
-    stages.load(cfg, cuda_plan(), torch.device("cpu"))
-    assert asked["dtype"] == torch.float32
-    stages.load(OmegaConf.create({"model": {"dtype": "bfloat16"}}), cuda_plan(), torch.device("cpu"))
-    assert asked["dtype"] == torch.bfloat16  # an explicit model.dtype still wins
+    for dtype, loaded in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):  # an explicit model.dtype wins
+        model = dataclasses.replace(TINY_BYTE_LM, dtype=dtype)
+        stages.load(model, stages.placement(model, cuda_plan().eval_dtype, torch.device("cpu")), torch.device("cpu"))
+        assert asked["dtype"] == loaded
 
 
 def test_original_and_converted_reach_the_suites_with_the_same_fp32_rotary_phases(tmp_path):
@@ -64,9 +64,9 @@ def test_original_and_converted_reach_the_suites_with_the_same_fp32_rotary_phase
     assert exact and all(v.dtype == torch.float32 for v in exact.values())
     converted = convert_to_mla(original, rope="high", r=2, svd="joint", d_kv=16)
     texts = [str(p) for p in text_files(tmp_path / "texts", n_docs=2, sentences=40)]
-    eval_cfg = {"dtype": "bfloat16", "perplexity": {"enabled": False},
-                "long_context": {"enabled": True, "lengths": [], "ppl_lengths": [128], "ppl_docs": 1,
-                                 "texts": texts}}
+    eval_cfg = typed_section(EvalConfig, {"dtype": "bfloat16", "perplexity": {"enabled": False},
+                                          "long_context": {"enabled": True, "lengths": [], "ppl_lengths": [128],
+                                                           "ppl_docs": 1, "texts": texts}}, "eval")
     for model in (original, converted):
         run_evaluation(model, tokenizer, eval_cfg, window=256, placement=cuda_placement_on_cpu())
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -96,8 +96,8 @@ def test_a_trained_model_is_evaluated_as_kept_on_the_runs_device(monkeypatch, tm
     run_device = torch.device("meta")  # stands for cuda:<local rank>
     dist = SimpleNamespace(is_main_process=True, num_processes=1, device=run_device, wait_for_everyone=lambda: None)
     trained = TrainedModel(tmp_path, "tiny", "abcd1234")
-    model = run_module._model_for_evaluation(OmegaConf.create({}), SimpleNamespace(trains=True), trained, None, None,
-                                             None, {"timings": {}}, dist, None, None)
+    plan = SimpleNamespace(trains=True, config=SimpleNamespace(trained_model_busy="wait"))
+    model = run_module._model_for_evaluation(plan, trained, None, None, None, {"timings": {}}, dist, None, None)
     assert model is not on_cpu
     assert loaded == {"folder": trained.model_dir, "device": run_device}
     assert next(model.parameters()).device == run_device

@@ -12,8 +12,9 @@ import torch
 
 from mha2mla_exp.evaluation.fixtures import commonsense_tree, longbench_dir, text_files
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.evaluation.long_context import LongContextConfig, evaluate_long_context
-from mha2mla_exp.evaluation.longbench import LongBenchConfig, evaluate_longbench
+from mha2mla_exp.evaluation.long_context import evaluate_long_context
+from mha2mla_exp.evaluation.longbench import evaluate_longbench
+from mha2mla_exp.schema.sections import LongBenchConfig, LongContextConfig
 from mha2mla_exp.mla import convert_to_mla
 
 from conftest import TINY_BYTE_LM
@@ -25,9 +26,9 @@ from test_distributed import launch
 SUITE = ["train=none", "eval=long_context", "model.finetune_length=512", "eval.long_context.lengths=[400]",
          "eval.long_context.depths=[0.0,0.5,1.0]", "eval.long_context.ppl_lengths=[256]",
          "eval.long_context.ppl_docs=3", "eval.long_context.batch_size=2",
-         "eval.commonsense.enabled=true", "+eval.commonsense.offline=true", "+eval.commonsense.tasks=[arc_easy,piqa,mmlu]",
-         "+eval.commonsense.mmlu_subjects=[anatomy,astronomy]", "+eval.commonsense.limit=7",
-         "+eval.commonsense.batch_size=4"]
+         "eval.commonsense.enabled=true", "eval.commonsense.offline=true", "eval.commonsense.tasks=[arc_easy,piqa,mmlu]",
+         "eval.commonsense.mmlu_subjects=[anatomy,astronomy]", "eval.commonsense.limit=7",
+         "eval.commonsense.batch_size=4"]  # declared by the schema: set, not added with `+`
 
 
 def evaluated(results_dir):
@@ -39,7 +40,7 @@ def evaluated(results_dir):
 
 def test_two_ranks_share_the_suites_and_give_the_one_process_results(tmp_path):
     data_root = commonsense_tree(tmp_path / "hf_datasets", n=24, subjects=("anatomy", "astronomy"))
-    suite = [*SUITE, f"+eval.commonsense.data_root={data_root}"]
+    suite = [*SUITE, f"eval.commonsense.data_root={data_root}"]
     one = launch(tmp_path / "one", 1, *suite)
     assert one.returncode == 0, one.stderr[-3000:]
     two = launch(tmp_path / "two", 2, *suite)

@@ -8,12 +8,14 @@ import json
 import pytest
 import torch
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.commonsense import COLUMNS
 from mha2mla_exp.evaluation.fixtures import commonsense_tree
 from mha2mla_exp.evaluation.perplexity import perplexity
-from mha2mla_exp.evaluation.run import parse_eval_config, run_evaluation
+from mha2mla_exp.evaluation.run import run_evaluation, suites_dtype
 from mha2mla_exp.evaluation.samples import read_samples, samples_frame, write_samples
 from mha2mla_exp.evaluation.tasks import sample_indices
+from mha2mla_exp.schema.sections import EvalConfig
 
 SUBJECTS = ("anatomy", "astronomy")
 
@@ -28,10 +30,11 @@ def data_root(tmp_path_factory):
     return commonsense_tree(tmp_path_factory.mktemp("olmo") / "hf_datasets", n=12, subjects=SUBJECTS)
 
 
-def _eval_cfg(data_root, **top):
-    return {"perplexity": {"enabled": False}, **top,
-            "commonsense": {"enabled": True, "limit": 8, "mmlu_limit": 5, "seed": 3, "batch_size": 4,
-                            "data_root": str(data_root), "mmlu_subjects": list(SUBJECTS)}}
+def _eval_cfg(data_root, **top) -> EvalConfig:
+    return typed_section(EvalConfig, {
+        "perplexity": {"enabled": False}, **top,
+        "commonsense": {"enabled": True, "limit": 8, "mmlu_limit": 5, "seed": 3, "batch_size": 4,
+                        "data_root": str(data_root), "mmlu_subjects": list(SUBJECTS)}}, "eval")
 
 
 def test_write_read_round_trip_is_exact_and_atomic(tmp_path):
@@ -74,7 +77,7 @@ def test_bfloat16_evaluation_casts_after_the_perplexity(tiny, data_root, tmp_pat
     model = copy.deepcopy(model)
     held_out = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     fp32_ppl = perplexity(model, [held_out])
-    cfg = _eval_cfg(data_root, dtype="bfloat16") | {"perplexity": {"enabled": True}}
+    cfg = _eval_cfg(data_root, dtype="bfloat16", perplexity={"enabled": True})
     out = run_evaluation(model, tokenizer, cfg, held_out=held_out, samples_path=tmp_path / "s.jsonl.gz")
     assert out["perplexity"]["heldout"] == pytest.approx(fp32_ppl, rel=1e-6)  # in the model's own dtype
     assert out["meta"]["dtype"] == "bfloat16" and model.dtype == torch.bfloat16
@@ -83,6 +86,7 @@ def test_bfloat16_evaluation_casts_after_the_perplexity(tiny, data_root, tmp_pat
 
 
 def test_unknown_eval_dtype_is_rejected_before_any_work():
-    with pytest.raises(ValueError, match="eval.dtype"):
-        parse_eval_config({"dtype": "int8"})
-    assert parse_eval_config({"dtype": None})["dtype"] is None
+    with pytest.raises(ValueError, match="eval.dtype: expected one of"):  # the schema's
+        typed_section(EvalConfig, {"dtype": "int8"}, "eval")
+    assert suites_dtype(EvalConfig(dtype="auto")) is None  # a mode left unresolved: the model's own dtype
+    assert suites_dtype(EvalConfig(dtype="bfloat16")) == torch.bfloat16

@@ -16,7 +16,9 @@ from mha2mla_exp.aggregate.perplexity_pairs import (
     HeldOutRows, held_out_rows, per_document_ratios, perplexity_pairs, ratio_interval, resampling_unit,
 )
 from mha2mla_exp.data.held_out import row_documents, select_rows
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation import run_evaluation
+from mha2mla_exp.schema.sections import EvalConfig
 from tests.conftest import tiny_causal_lm
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -60,20 +62,22 @@ def test_the_record_says_which_rows_of_which_documents_were_scored():
     vocab = model.config.vocab_size
     rows = torch.randint(0, vocab, (12, 16), generator=torch.Generator().manual_seed(0))
     documents = _documents([6, 2, 4])
-    cfg = {"perplexity": {"enabled": True, "batch_size": 2, "max_batches": 2, "rows": "stratified", "row_seed": 0}}
+    def evaluation(**perplexity) -> EvalConfig:
+        return typed_section(EvalConfig, {"perplexity": {"enabled": True} | perplexity}, "eval")
+
+    cfg = evaluation(batch_size=2, max_batches=2, rows="stratified", row_seed=0)
     out = run_evaluation(model, None, cfg, held_out=rows, held_out_documents=documents)["perplexity"]
     assert out["row_selection"] == "stratified" and len(out["row_nll"]) == 4
     assert sorted(set(out["row_document"])) == [0, 1, 2]
     assert out["row_document"] == documents[out["row_index"]].tolist()
     # the same four rows scored alone give the same perplexity: the record's index names what was scored
-    alone = run_evaluation(model, None, {"perplexity": {"enabled": True, "batch_size": 4}},
-                           held_out=rows[out["row_index"]])["perplexity"]
+    alone = run_evaluation(model, None, evaluation(batch_size=4), held_out=rows[out["row_index"]])["perplexity"]
     assert math.isclose(alone["heldout"], out["heldout"], rel_tol=1e-6)
-    first = run_evaluation(model, None, cfg | {"perplexity": cfg["perplexity"] | {"rows": "first"}},
+    first = run_evaluation(model, None, evaluation(batch_size=2, max_batches=2, rows="first"),
                            held_out=rows, held_out_documents=documents)["perplexity"]
     assert first["row_index"] == [0, 1, 2, 3] and set(first["row_document"]) == {0}
-    with pytest.raises(ValueError, match="eval.perplexity.rows"):
-        run_evaluation(model, None, {"perplexity": {"enabled": True, "rows": "random"}}, held_out=rows)
+    with pytest.raises(ValueError, match="eval.perplexity.rows: expected one of"):  # the schema's
+        run_evaluation(model, None, evaluation(rows="random"), held_out=rows)
 
 
 def _split_effect() -> tuple[HeldOutRows, HeldOutRows]:

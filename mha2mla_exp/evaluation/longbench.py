@@ -18,29 +18,15 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from .tasks import Function, check_limit_and_sample, lm_eval_tasks_dir, run_tasks, write_task_folder
+from ..schema.sections import LongBenchConfig
+from .tasks import Function, lm_eval_tasks_dir, run_tasks, write_task_folder
 
 SUBSETS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
            "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
 FIRST_LINE = ("trec", "triviaqa", "samsum")  # LongBench's pred.lstrip('\n').split('\n')[0] (lsht is Chinese)
 PREFIX = "mla_longbench_"
-
-
-@dataclass(frozen=True)
-class LongBenchConfig:
-    subsets: tuple[str, ...] = SUBSETS
-    data_dir: str | None = None  # <subset>.jsonl files in LongBench's format; None: the hub via lm-eval
-    limit: int | None = None  # docs per subset (None: all)
-    sample: str = "random"
-    seed: int = 1234
-    batch_size: int = 8  # prompts generated together, left-padded (tests/test_eval_ranks.py: equal to one at a time)
-    official_postprocess: bool = True
-
-    def __post_init__(self):
-        check_limit_and_sample(self.limit, self.sample)
 
 
 def _safe(subset: str) -> str:

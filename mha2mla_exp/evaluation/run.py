@@ -1,17 +1,18 @@
 """`run_evaluation`: the runner's single entry point; returns the record's `eval` block.
 
-`eval_cfg` (a plain mapping, e.g. a resolved conf/eval/*.yaml) has one section per suite, each with
-`enabled`, and `dtype`; every section is validated before any model work starts. Suites: perplexity
+It takes the `eval` section (schema/sections.EvalConfig: one sub-section per suite, each with `enabled`, and
+`dtype`); the enabled suites' own checks run before any model work starts. Suites: perplexity
 (held-out rows given by the caller, plus long-document perplexity from the long-context suite),
 commonsense, long_context, longbench. Generation tasks run on the cache that `kv_quant` selects and its
 measured bytes land in `kv_cache`; loglikelihood tasks use no cache. Every lm-eval suite's per-document
 results are written to `samples_path` when given (`samples.py`).
 
-`dtype` (null: the model's own) is the precision the lm-eval suites run in: the model is cast to it in
-place after the held-out perplexity (which stays in the model's dtype, like the in-training probe), and
-log-softmax runs in fp32 either way. The record's `meta.dtype` and `meta.perplexity_dtype` state what ran.
-(The runner always passes a dtype: `eval.dtype` resolved, see runner.config.resolve_eval_dtype.) Device and
-casts are the `placement`'s (placement.py: the same for every row; the runner passes the run's own).
+`dtype` (a mode, `auto` or `fastest`, left unresolved: the model's own) is the precision the lm-eval suites run
+in: the model is cast to it in place after the held-out perplexity (which stays in the model's dtype, like the
+in-training probe), and log-softmax runs in fp32 either way. The record's `meta.dtype` and
+`meta.perplexity_dtype` state what ran. (The runner always passes a dtype: `eval.dtype` resolved, see
+runner.config.resolve_eval_dtype.) Device and casts are the `placement`'s (placement.py: the same for every row;
+the runner passes the run's own).
 
 Under several processes every one calls `run_evaluation`: each computes the held-out perplexity (so that all
 enter the suites together) and its share of every lm-eval suite; the suites' results, the per-document rows,
@@ -20,7 +21,6 @@ the cache bytes and `meta.ranks` are gathered onto rank 0, whose return value is
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -28,72 +28,38 @@ from collections.abc import Mapping
 
 import torch
 
-from ..data.held_out import ROW_SELECTIONS, select_rows
+from ..data.held_out import select_rows
 from ..models import DTYPES
-from .commonsense import CommonsenseConfig
+from ..schema.sections import EvalConfig, PerplexityConfig
 from .kv import CacheMeter, KVQuant, kv_record
-from .long_context import LongContextConfig
-from .longbench import LongBenchConfig
 from .perplexity import perplexity
 from .samples import summary, write_samples
 
 log = logging.getLogger(__name__)
 
-SECTIONS = {"commonsense": CommonsenseConfig, "long_context": LongContextConfig, "longbench": LongBenchConfig}
-PERPLEXITY_KEYS = {"enabled", "batch_size", "max_batches", "rows", "row_seed"}
-TOP_KEYS = {"name", "dtype", "perplexity", *SECTIONS}
+def check_eval_config(evaluation: EvalConfig) -> None:
+    """The suites' own checks, before any model work (the schema has checked each field's type and range): every
+    suite's settings that go together, enabled or not, as ValueError naming `eval.<suite>`; then what an enabled
+    suite needs (MMLU subjects, LongBench's subsets and data)."""
+    from .commonsense import check as check_commonsense, selected_subjects
+    from .long_context import check as check_long_context
+    from .longbench import check as check_longbench
+
+    for name, check in (("commonsense", check_commonsense), ("long_context", check_long_context)):
+        try:
+            check(getattr(evaluation, name))
+        except ValueError as err:
+            raise ValueError(f"eval.{name}: {err}") from None
+    if evaluation.commonsense.enabled:
+        selected_subjects(evaluation.commonsense)
+    if evaluation.longbench.enabled:
+        check_longbench(evaluation.longbench)
 
 
-def _section(name: str, raw) -> tuple[bool, object]:
-    """(enabled, dataclass config) of one suite section; unknown keys are errors."""
-    cls = SECTIONS[name]
-    raw = dict(raw or {})
-    enabled = bool(raw.pop("enabled", False))
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise ValueError(f"eval.{name}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
-    for key, value in raw.items():  # YAML lists -> tuples for the frozen configs
-        if isinstance(value, list):
-            raw[key] = tuple(value)
-    try:
-        return enabled, cls(**raw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"eval.{name}: {e}") from e
-
-
-def parse_eval_config(eval_cfg: Mapping | None) -> dict:
-    """{suite: config or None (disabled)} plus the perplexity options; raises ValueError on bad input."""
-    eval_cfg = dict(eval_cfg or {})
-    unknown = set(eval_cfg) - TOP_KEYS
-    if unknown:
-        raise ValueError(f"eval: unknown section(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
-    ppl = dict(eval_cfg.get("perplexity") or {"enabled": True})
-    bad = set(ppl) - PERPLEXITY_KEYS
-    if bad:
-        raise ValueError(f"eval.perplexity: unknown key(s) {sorted(bad)}; known: {sorted(PERPLEXITY_KEYS)}")
-    dtype = eval_cfg.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"eval.dtype: unknown {dtype!r}; expected null (the model's own) or one of {sorted(DTYPES)}")
-    rows = ppl.get("rows", "stratified")
-    if rows not in ROW_SELECTIONS:
-        raise ValueError(f"eval.perplexity.rows: unknown {rows!r}; expected one of {', '.join(ROW_SELECTIONS)}")
-    out = {"dtype": DTYPES.get(dtype),
-           "perplexity": {"enabled": bool(ppl.get("enabled", True)), "batch_size": int(ppl.get("batch_size", 8)),
-                          "max_batches": ppl.get("max_batches"), "rows": rows, "row_seed": int(ppl.get("row_seed", 0))}}
-    for name in SECTIONS:
-        enabled, cfg = _section(name, eval_cfg.get(name))
-        out[name] = cfg if enabled else None
-    if out["commonsense"] is not None:
-        from .commonsense import task_names
-
-        for col in out["commonsense"].tasks:
-            task_names(col, False, out["commonsense"].subjects)
-    if out["longbench"] is not None:
-        from .longbench import check
-
-        check(out["longbench"])
-    return out
+def suites_dtype(evaluation: EvalConfig) -> torch.dtype | None:
+    """The dtype the lm-eval suites run in: `eval.dtype` as the runner resolved it; None (the model's own) where it
+    is still a mode (`auto`, `fastest`: a caller outside the runner)."""
+    return DTYPES.get(evaluation.dtype)
 
 
 def held_out_batches(held_out, batch_size: int):
@@ -104,45 +70,45 @@ def held_out_batches(held_out, batch_size: int):
     return held_out
 
 
-def held_out_sample(rows, documents, p: Mapping) -> tuple[object, dict]:
+def held_out_sample(rows, documents, p: PerplexityConfig) -> tuple[object, dict]:
     """The held-out rows a perplexity scores under eval.perplexity `p`, and what the record says of them.
 
-    With each row's document known, the cap (max_batches x batch_size rows) is a sample chosen by `p["rows"]`
+    With each row's document known, the cap (max_batches x batch_size rows) is a sample chosen by `p.rows`
     (data/held_out.py) and the record keeps each scored row's index and document; without (an iterable of
     batches), the first max_batches batches, as before."""
     if documents is None or not isinstance(rows, torch.Tensor):
-        return itertools.islice(held_out_batches(rows, p["batch_size"]), p["max_batches"]), {}
-    cap = None if p["max_batches"] is None else int(p["max_batches"]) * p["batch_size"]
-    index = select_rows(documents, cap, p["rows"], p["row_seed"])
-    info = {"row_selection": p["rows"] if cap is not None and cap < len(documents) else "all",
+        return itertools.islice(held_out_batches(rows, p.batch_size), p.max_batches), {}
+    cap = None if p.max_batches is None else p.max_batches * p.batch_size
+    index = select_rows(documents, cap, p.rows, p.row_seed)
+    info = {"row_selection": p.rows if cap is not None and cap < len(documents) else "all",
             "row_index": index.tolist(), "row_document": documents[index].tolist(),
             "documents": int(documents.unique().numel())}
-    return held_out_batches(rows[index], p["batch_size"]), info
+    return held_out_batches(rows[index], p.batch_size), info
 
 
-def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None, kv_quant=None,
+def run_evaluation(model, tokenizer, evaluation: EvalConfig, *, held_out=None, kv_quant: KVQuant | None = None,
                    window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None,
                    held_out_documents: torch.Tensor | None = None, placement=None, process_group=None) -> dict:
-    """Evaluate an in-memory causal LM (original or MLA); returns the run record's `eval` block.
+    """Evaluate an in-memory causal LM (original or MLA) under the `eval` section; returns the run record's `eval`
+    block.
 
     held_out: token rows `[N, T]` (or an iterable of batches) for held-out perplexity; held_out_documents:
     each row's document (data/held_out.py), which makes a capped perplexity a stratified sample of documents.
-    kv_quant: None or {backend, nbits, residual_length, q_group_size}: the cache of generation tasks.
+    kv_quant: None or a KVQuant: the cache of generation tasks.
     window: the evaluation window (the fine-tuning length); None: the model's context length.
     samples_path: where the per-document results go (gzipped JSON lines); None: not written.
     extra_held_out: {name: rows or (rows, documents)} scored like `held_out`, as `perplexity["heldout:<name>"]`.
-    eval_cfg's `dtype` casts the model in place (see the module docstring).
-    placement: an `EvalPlacement` (None: the model's device and dtype, cast to eval_cfg's `dtype` for the suites).
+    `evaluation.dtype` casts the model in place (see the module docstring).
+    placement: an `EvalPlacement` (None: the model's device and dtype, cast to `evaluation.dtype` for the suites).
     process_group: the group of the suites' collectives under several processes (None: the default one).
     """
     from .lm import EvalLM
     from .placement import EvalPlacement
 
-    cfg = parse_eval_config(eval_cfg)
-    kv_quant = KVQuant.from_cfg(kv_quant)
+    check_eval_config(evaluation)
     meter = CacheMeter()
     if placement is None:
-        placement = EvalPlacement.decide(model.device, suites_dtype=cfg["dtype"], model_dtype=model.dtype)
+        placement = EvalPlacement.decide(model.device, suites_dtype=suites_dtype(evaluation), model_dtype=model.dtype)
     placement.place(model, "weights")
     model.eval()
     lms = []  # one EvalLM per suite; the last does the closing collectives
@@ -159,8 +125,8 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
         lms.append(lm)
         return lm
 
-    p = cfg["perplexity"]
-    if p["enabled"]:
+    p = evaluation.perplexity
+    if p.enabled:
         t = time.perf_counter()
         if held_out is None:
             log.warning("eval.perplexity is enabled but no held-out tokens were given: skipped")
@@ -180,31 +146,31 @@ def run_evaluation(model, tokenizer, eval_cfg: Mapping | None, *, held_out=None,
                 out["perplexity"][f"row_tokens{suffix}"] = [int(n) for _, n in rows_nll]
                 out["perplexity"].update({f"{k}{suffix}": v for k, v in picked.items()})
         timings["perplexity"] = round(time.perf_counter() - t, 2)
-    if cfg["commonsense"] is not None:
+    if evaluation.commonsense.enabled:
         from .commonsense import evaluate_commonsense
 
         t = time.perf_counter()
-        result = evaluate_commonsense(lm_for(cfg["commonsense"].batch_size), cfg["commonsense"])
+        result = evaluate_commonsense(lm_for(evaluation.commonsense.batch_size), evaluation.commonsense)
         if result is not None:  # None: another rank's share, gathered onto rank 0
             out["commonsense"], out["meta"]["commonsense"], suite_rows = result
             rows += suite_rows
         timings["commonsense"] = round(time.perf_counter() - t, 2)
-    if cfg["long_context"] is not None:
+    if evaluation.long_context.enabled:
         from .long_context import evaluate_long_context
 
         t = time.perf_counter()
-        lc = cfg["long_context"]
+        lc = evaluation.long_context
         result = evaluate_long_context(lm_for(lc.batch_size), tokenizer, lc, window=window)
         if result is not None:
             out["long_context"], ppl, out["meta"]["long_context"], suite_rows = result
             out["perplexity"].update(ppl)
             rows += suite_rows
         timings["long_context"] = round(time.perf_counter() - t, 2)
-    if cfg["longbench"] is not None:
+    if evaluation.longbench.enabled:
         from .longbench import evaluate_longbench
 
         t = time.perf_counter()
-        result = evaluate_longbench(lm_for(cfg["longbench"].batch_size), cfg["longbench"])
+        result = evaluate_longbench(lm_for(evaluation.longbench.batch_size), evaluation.longbench)
         if result is not None:
             out["longbench"], out["meta"]["longbench"], suite_rows = result
             rows += suite_rows

@@ -93,13 +93,6 @@ def task_manager(include_path: Path | list[Path] | None, include_defaults: bool)
                        include_defaults=include_defaults)
 
 
-def check_limit_and_sample(limit, sample: str) -> None:
-    if sample not in SAMPLE_MODES:
-        raise ValueError(f"unknown sample mode {sample!r}; expected one of {SAMPLE_MODES}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise ValueError(f"limit must be a positive integer or null, got {limit!r}")
-
-
 def sample_indices(n_docs: int, limit: int | None, mode: str, seed: int) -> list[int] | None:
     """The doc indices evaluated for a task with `n_docs` docs: all (None), the first `limit`,
     or a seeded random subset of `limit` (sorted), the same for every model."""
