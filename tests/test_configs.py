@@ -79,8 +79,8 @@ def test_every_experiment_and_cell_composes_and_validates(name, aws_access, tmp_
     cells = [compose_cfg([f"+experiment={name}", *combo, *offline, f"results_dir={PUBLISHED_RUNS}"])
              for combo in itertools.product(*grids)]
     for bf16_fast in (True, False):
-        names = {describe(plan_run(cell, one_process, bf16_pays=lambda *_, fast=bf16_fast: (fast, "pinned by the test")),
-                          cell) for cell in cells}
+        pinned = lambda *_, fast=bf16_fast: (fast, "pinned by the test")  # noqa: E731
+        names = {describe(plan_run(cell, one_process, bf16_pays=pinned)) for cell in cells}
         assert len(names) == len(cells), f"two cells of the grid would share a run name (bf16 pays: {bf16_fast})"
 
 
@@ -216,6 +216,6 @@ def test_an_unsupported_architecture_fails_before_loading(tmp_path):
 
 
 def test_hqq_three_bits_validates_and_quanto_three_bits_does_not():
-    assert validate(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"])).kv_quant["nbits"] == 3
+    assert validate(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"])).kv_quant.nbits == 3
     with pytest.raises(ConfigError, match="kv_quant.nbits: 3 is not supported by quanto"):
         validate(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"]))

@@ -366,27 +366,28 @@ class Checker:
         with world_size(world):
             plan = validate(cfg)
             if plan.fine_tune:
-                self.budget(cfg, world)
+                self.budget(plan, world)
 
-    def budget(self, cfg, world: int) -> None:
+    def budget(self, plan, world: int) -> None:
         """What the run checks next, before any weight: the budget against a finite corpus (stages.training_rows)."""
-        from omegaconf import OmegaConf
+        from dataclasses import asdict
 
         from mha2mla_exp import models
+        from mha2mla_exp.data import prepare_data
         from mha2mla_exp.runner import stages
-        from mha2mla_exp.runner.config import ConfigError, training_data_cfg
+        from mha2mla_exp.runner.config import ConfigError
 
-        source = training_data_cfg(cfg) or cfg.data
+        config = plan.config
+        source = config.train.data or config.data
         if source.source == "hub":
             return  # streamed: never repeats
         try:
-            tokenizer = self._tokenizer(cfg)
+            tokenizer = self._tokenizer(config.model)
         except OSError:
-            if cfg.model.source == "hub":
+            if config.model.source == "hub":
                 return  # a hub model's tokenizer is not here offline
             raise
-        key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True).get("id"),
-                          OmegaConf.to_container(source, resolve=True)], sort_keys=True, default=str)
+        key = json.dumps([config.model.id, asdict(source)], sort_keys=True, default=str)
         if key not in self.corpora:
             real = models.load_model
 
@@ -397,8 +398,7 @@ class Checker:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    self.corpora[key] = (stages.prepare_training_data(cfg, tokenizer) if training_data_cfg(cfg)
-                                         else stages.prepare_data(cfg, tokenizer))
+                    self.corpora[key] = prepare_data(source, tokenizer)
             except _TeacherNeeded:
                 self.corpora[key] = None
             finally:
@@ -406,20 +406,22 @@ class Checker:
         if self.corpora[key] is None:
             return
         try:
-            stages.training_rows(cfg, self.corpora[key], world)
+            stages.training_rows(plan, self.corpora[key], world)
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
     @lru_cache(maxsize=None)
     def _tokenizer_for(self, model_json: str):
+        from mha2mla_exp.confutil import typed_section
         from mha2mla_exp.models import load_tokenizer
+        from mha2mla_exp.schema.sections import ModelConfig
 
-        return load_tokenizer(json.loads(model_json))
+        return load_tokenizer(typed_section(ModelConfig, json.loads(model_json), "model"))
 
-    def _tokenizer(self, cfg):
-        from omegaconf import OmegaConf
+    def _tokenizer(self, model):
+        from dataclasses import asdict
 
-        return self._tokenizer_for(json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True))
+        return self._tokenizer_for(json.dumps(asdict(model), sort_keys=True, default=str))
 
     def torchrun(self, args: list[str]) -> list[str]:
         world, i = 1, 0

@@ -59,7 +59,7 @@ def test_a_new_strategy_runs_through_the_runner(tmp_path):
             "rope.strategy=test-loudest-keys", "rope.r=null", "train.enabled=false"])
     plan = validate(cfg)
     assert plan.spec.rope == "test-loudest-keys" and plan.spec.r == 16 // 16 and plan.spec.needs_calibration
-    assert "__test-loudest-keys-r1__joint-dkv8__" in describe(plan, cfg)
+    assert "__test-loudest-keys-r1__joint-dkv8__" in describe(plan)
     before = LoudestKeys.calls
     record = run(cfg)
     assert record["status"] == "ok", record["error"]

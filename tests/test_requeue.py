@@ -100,7 +100,7 @@ def test_a_stop_signal_checkpoints_at_the_next_step_and_a_relaunch_resumes_there
     threading.Thread(target=signal_once_training_runs, daemon=True).start()
     with pytest.raises(TrainingStopped):
         run(cfg)
-    progress = trained_model_for(cfg, validate(cfg)).dir / "checkpoint" / "progress.json"
+    progress = trained_model_for(validate(cfg)).dir / "checkpoint" / "progress.json"
     stopped_at = json.loads(progress.read_text())["step"]
     assert 3 <= stopped_at < reference["train"]["steps"]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler is put back
@@ -128,7 +128,7 @@ def test_a_checkpoint_swap_cut_between_its_renames_resumes_from_the_new_checkpoi
     with pytest.raises(OSError, match="between the renames"):
         run(cfg)
     monkeypatch.setattr(pathlib.Path, "rename", rename)
-    root = trained_model_for(cfg, validate(cfg)).dir
+    root = trained_model_for(validate(cfg)).dir
     assert not (root / "checkpoint").exists() and (root / "checkpoint.old").exists()
 
     resumed = run(cfg)

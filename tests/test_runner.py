@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -70,7 +71,7 @@ def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
     cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(cfg, fail_at_step=5)
-    run_dir, trained = run_dir_for(cfg, validate(cfg)), trained_model_for(cfg, validate(cfg))
+    run_dir, trained = run_dir_for(validate(cfg)), trained_model_for(validate(cfg))
     crashed = json.loads((run_dir / "results.json").read_text())
     assert crashed["status"] == "failed"
     assert json.loads((trained.dir / "checkpoint" / "progress.json").read_text())["step"] == 4
@@ -91,7 +92,7 @@ def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):
     probed = run(cfg)
     assert probed["status"] == plain["status"] == "ok"
     assert probed["train"]["final_loss"] == pytest.approx(plain["train"]["final_loss"], abs=1e-6)
-    rows = [json.loads(line) for line in (run_dir_for(cfg, validate(cfg)) / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir_for(validate(cfg)) / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "heldout_ppl_probe" in r]
     steps = probed["train"]["steps"]
     assert [r["step"] for r in probes] == sorted({0, *range(3, steps + 1, 3), steps})  # before, every 3, last
@@ -135,10 +136,9 @@ def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
     from mha2mla_exp.mla import convert_to_mla
     from mha2mla_exp.models import build_random_model
     from mha2mla_exp.runner.config import ConfigError
+    from tests.conftest import tiny_byte_lm
 
-    model, tokenizer = build_random_model({"shape": {"num_layers": 2, "hidden_size": 64, "num_heads": 4,
-                                                     "num_kv_heads": 2, "head_dim": 16, "rope_base": 10000,
-                                                     "context_length": 512}, "vocab_size": 320})
+    model, tokenizer = build_random_model(dataclasses.replace(tiny_byte_lm(), intermediate_size=None))
     for name, saved in (("plain", model), ("mla", convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4))):
         saved.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
@@ -179,7 +179,7 @@ def test_a_deferring_cell_ends_at_once_while_another_process_makes_its_trained_m
     from mha2mla_exp.runner.sweep import SweepFailed, SweepSummary
 
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "trained_model_busy=defer")
-    trained = trained_model_for(cfg, validate(cfg))
+    trained = trained_model_for(validate(cfg))
     trained.dir.mkdir(parents=True)
     with trained.lock():  # what a parallel cell holds while it fine-tunes
         deferred = run(cfg)

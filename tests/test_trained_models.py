@@ -26,9 +26,9 @@ def test_a_failed_evaluation_keeps_the_weights_and_a_relaunch_reuses_them(tmp_pa
     with pytest.raises(RuntimeError, match="the benchmark crashed"):
         run(cfg)
     plan = validate(cfg)
-    trained = trained_model_for(cfg, plan)
+    trained = trained_model_for(plan)
     assert trained.complete()  # saved before the evaluation started
-    assert json.loads((run_dir_for(cfg, plan) / "results.json").read_text())["status"] == "failed"
+    assert json.loads((run_dir_for(plan) / "results.json").read_text())["status"] == "failed"
 
     def no_training(*args, **kwargs):
         raise AssertionError("a kept trained model must not be trained again")
@@ -38,7 +38,7 @@ def test_a_failed_evaluation_keeps_the_weights_and_a_relaunch_reuses_them(tmp_pa
     again = run(cfg)
     assert again["status"] == "ok" and again["reused_trained_model"] is True
     assert again["train"]["steps"] == 2048 // (32 * 8)
-    assert (run_dir_for(cfg, plan) / "metrics.jsonl").read_text() == trained.metrics_path.read_text()
+    assert (run_dir_for(plan) / "metrics.jsonl").read_text() == trained.metrics_path.read_text()
 
     # a new evaluation of the same trained model is a new run that reuses the weights too
     other = smoke_cfg(tmp_path, "mla_2-norm_joint", *FAST, "eval.perplexity.max_batches=1", "kv_measure_tokens=32")
@@ -53,7 +53,7 @@ def test_weights_of_a_trained_model_load_back_to_the_same_evaluation(tmp_path):
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *FAST)
     first = run(cfg)
     plan = validate(cfg)
-    (run_dir_for(cfg, plan) / "results.json").unlink()  # forget the evaluation, keep the trained model
+    (run_dir_for(plan) / "results.json").unlink()  # forget the evaluation, keep the trained model
     second = run(cfg)
     assert second["reused_trained_model"] is True
     assert second["eval"]["perplexity"]["heldout"] == pytest.approx(first["eval"]["perplexity"]["heldout"], rel=1e-6)
@@ -90,7 +90,7 @@ def streamed_cfg(tmp_path, *extra):
                             + "\n" for _ in range(600)))
     mixture = f'[{{name: toy, path: json, data_files: "{path}", weight: 1.0, text_field: text}}]'
     return smoke_cfg(tmp_path / "runs", "mla_2-norm_joint", "data=smollm_corpus", f"data.mixture={mixture}",
-                     "data.held_out_documents=40", "data.seq_len=32", "~data.max_documents", *extra)
+                     "data.held_out_documents=40", "data.seq_len=32", "data.max_documents=null", *extra)
 
 
 def test_a_streamed_corpus_trains_on_fresh_rows_and_resumes_exactly(tmp_path):
@@ -122,8 +122,9 @@ def test_a_run_that_trains_loads_fp32_master_weights_even_where_auto_means_bf16(
     trains = validate(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.precision=auto", "model.dtype=auto"))
     evaluates = validate(smoke_cfg(tmp_path, "original", "model.dtype=auto"))
     assert trains.precision.param_dtype == torch.float32 and trains.precision.compute_dtype == torch.bfloat16
-    stages.load(smoke_cfg(tmp_path, "mla_2-norm_joint", "model.dtype=auto"), trains, torch.device("cpu"))
-    stages.load(smoke_cfg(tmp_path, "original", "model.dtype=auto"), evaluates, torch.device("cpu"))
+    for plan in (trains, evaluates):
+        model, cpu = plan.config.model, torch.device("cpu")
+        stages.load(model, stages.placement(model, plan.eval_dtype, cpu), cpu)
     # trained: fp32 masters (bf16 only as compute); evaluated only: fp32 too, cast to bf16 for the suites as every
     # other row is (evaluation/placement.py: the same perplexity precision and rotary phases for every row)
     assert seen == [torch.float32, torch.float32]

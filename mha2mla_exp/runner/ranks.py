@@ -21,18 +21,20 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
+from ..schema.sections import DistributedConfig
+
 log = logging.getLogger(__name__)
 
 SLOW_EVAL_ENV = "MHA2MLA_SLOW_EVAL_S"  # tests only: the main process's evaluation takes this many seconds longer
 
 
-def process_state(cfg) -> PartialState:
-    """accelerate's view of this launch, its process group created with the configured collective timeout."""
-    on_cpu = str(cfg.device).startswith("cpu") or not torch.cuda.is_available()
-    settings = cfg.get("distributed") or {}
+def process_state(device: str, distributed: DistributedConfig) -> PartialState:
+    """accelerate's view of this launch on `device` (the run's, `auto` or a kind), its process group created with
+    the configured collective timeout (`distributed.timeout_s`)."""
+    on_cpu = str(device).startswith("cpu") or not torch.cuda.is_available()
     kwargs = {}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and settings.get("timeout_s"):
-        kwargs["timeout"] = datetime.timedelta(seconds=float(settings["timeout_s"]))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        kwargs["timeout"] = datetime.timedelta(seconds=float(distributed.timeout_s))
     return PartialState(cpu=on_cpu, **kwargs)
 
 
@@ -81,7 +83,3 @@ def wait_for_main_process(dist: PartialState, timeout_s: float) -> None:
     if not dist.is_main_process:
         log.info("waiting up to %.0f s for the main process", timeout_s)
     td.barrier(group=group)
-
-
-def eval_wait_s(cfg) -> float:
-    return float((cfg.get("distributed") or {}).get("eval_wait_s") or 86400)

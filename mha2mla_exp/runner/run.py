@@ -11,6 +11,7 @@ stage, TF32; evaluation/placement.py), whatever made it, and a freshly trained o
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -24,32 +25,38 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..mla.lowrank import FACTOR_SPLIT
+from ..data import prepare_data
+from ..models import load_tokenizer
 from ..train import FineTuneDiverged, finetune, remove_checkpoint, sharding
 from ..train.recipe import note_peak_rss
 from . import stages
-from .ranks import (SLOW_EVAL_ENV, eval_wait_s, long_wait_group, process_state, same_on_every_rank,
-                    shared_bf16_verdict, wait_for_main_process)
-from .config import (ConfigError, RunPlan, describe, describe_conversion, describe_trained, training_data_cfg,
-                     validate)
+from ..schema.sections import DistributedConfig, RunConfig
+from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, run_config, validate
+from .ranks import (SLOW_EVAL_ENV, long_wait_group, process_state, same_on_every_rank, shared_bf16_verdict,
+                    wait_for_main_process)
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
 
 log = logging.getLogger(__name__)
 
 
-def run_dir_for(cfg: DictConfig, plan: RunPlan) -> Path:
-    return Path(cfg.results_dir) / cfg.experiment / f"{describe(plan, cfg)}-{plan.run_hash}"
+def run_dir_for(plan: RunPlan) -> Path:
+    return Path(plan.config.results_dir) / plan.config.experiment / f"{describe(plan)}-{plan.run_hash}"
 
 
-def trained_model_for(cfg: DictConfig, plan: RunPlan) -> TrainedModel:
-    return TrainedModel(cfg.results_dir, describe_trained(plan, cfg), plan.trained_hash)
+def trained_model_for(plan: RunPlan) -> TrainedModel:
+    return TrainedModel(plan.config.results_dir, describe_trained(plan), plan.trained_hash)
 
 
-def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
-    """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's)."""
-    dist = process_state(cfg)
-    plan = plan_run(cfg, dist)  # every config error surfaces here, before any weight is touched
-    run_dir = run_dir_for(cfg, plan)
+def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict:
+    """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's).
+    The composed config becomes the typed RunConfig here, once; from the plan on, each stage reads the sections
+    it needs from `plan.config` (the typed config with what this machine resolved)."""
+    config = run_config(cfg)
+    dist = process_state(config.device, config.distributed)
+    plan = plan_run(config, dist)  # every config error surfaces here, before any weight is touched
+    config = plan.config
+    run_dir = run_dir_for(plan)
     previous = read_results(run_dir)
     if previous and previous.get("status") in FINAL_STATUSES:
         if dist.is_main_process:
@@ -57,30 +64,30 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         return previous | {"run_dir": str(run_dir)}
     for note in plan.notes:
         log.warning("not checked before loading: %s", note)
-    if cfg.get("dry_run"):
-        return _plan_only(cfg, plan, run_dir, dist)
+    if config.dry_run:
+        return _plan_only(plan, run_dir, dist)
 
     # the inputs before any weight: a budget the corpus cannot hold is a config error, found in seconds
-    tokenizer = stages.load_tokenizer(cfg)
+    tokenizer = load_tokenizer(config.model)  # the tokenizer alone: data and budget checked before any weight
     with dist.main_process_first():  # the token cache is written once
-        data = stages.prepare_data(cfg, tokenizer)
-        train_data = stages.prepare_training_data(cfg, tokenizer)  # None: the fine-tune reads `data`
+        data = prepare_data(config.data, tokenizer)
+        train_data = stages.prepare_training_data(config.train, tokenizer)  # None: the fine-tune reads `data`
     rows, also = None, {}
     if plan.fine_tune:
         try:
-            rows = stages.training_rows(cfg, train_data or data, dist.num_processes)
+            rows = stages.training_rows(plan, train_data or data, dist.num_processes)
             also = stages.also_held_out(data, train_data)
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
     main = dist.is_main_process
-    trained = trained_model_for(cfg, plan)
-    placement = stages.placement(cfg, plan, dist.device)
+    trained = trained_model_for(plan)
+    placement = stages.placement(config.model, plan.eval_dtype, dist.device)
     placement.apply_matmul_precision()  # from here on: calibration, training and perplexity alike
     record = {
         "run_name": run_dir.name,
         "run_dir": str(run_dir),
-        "experiment": cfg.experiment,
+        "experiment": config.experiment,
         "status": "running",
         "error": None,
         "resumed": previous is not None,
@@ -88,11 +95,11 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         "trained_hash": plan.trained_hash,
         "eval_hash": plan.eval_hash,
         "setting_hash": plan.setting_hash,
-        "model": {"name": cfg.model.name, "paper_name": cfg.model.get("paper_name"),
-                  "pretrain_tokens": cfg.model.get("pretrain_tokens")},
+        "model": {"name": config.model.name, "paper_name": config.model.paper_name,
+                  "pretrain_tokens": config.model.pretrain_tokens},
         "variant": plan.table_variant,
         "mla": plan.spec.to_dict() if plan.spec else None,
-        "kv_quant": plan.kv_quant,
+        "kv_quant": plan.kv_quant.to_dict() if plan.kv_quant else None,
         "data": dict(data.stats),
         "train_data": dict(train_data.stats) if train_data is not None else None,
         "trained_model": str(trained.dir) if plan.trains else None,
@@ -102,24 +109,24 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
         "placement": placement.to_record() | {"evaluating_processes": dist.num_processes},
         "notes": list(plan.notes),
     }
-    tracker = _Tracker(cfg, run_dir) if main else _Tracker.off()
+    tracker = _Tracker(config, run_dir) if main else _Tracker.off()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # the typed config with what this machine resolved (device, precision, eval dtype): what ran, its identity
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
         write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
-        model = placement.place(_model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist,
-                                                      tracker, fail_at_step))
+        model = placement.place(_model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tracker,
+                                                      fail_at_step))
         try:
             if main:
                 if plan.trains and trained.metrics_path.exists():
                     shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
                 write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
-            _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also, placement, dist)
+            _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, dist)
         finally:  # also when the evaluation fails: the sweep's next cell starts on every process together
-            wait_for_main_process(dist, eval_wait_s(cfg))
+            wait_for_main_process(dist, config.distributed.eval_wait_s)
         record["status"] = "ok"
     except FineTuneDiverged as err:
         record.update(status="diverged", error=str(err))
@@ -139,50 +146,50 @@ def run(cfg: DictConfig, *, fail_at_step: int | None = None) -> dict:
     return record
 
 
-def plan_run(cfg: DictConfig, dist, bf16_pays=None) -> RunPlan:
+def plan_run(cfg: DictConfig | RunConfig, dist, bf16_pays=None) -> RunPlan:
     """The validated plan, `auto` precision and `eval.dtype=fastest` decided once for every process. A probe
     decides a fresh run, never a relaunch: where `train.precision=auto` on CPU finds work of this run only
     under the other mode (a checkpoint, a kept model, a record: a busier machine can time bf16 the other way),
     the run goes on in that mode, under its identity. `bf16_pays`: a verdict to use instead of the probe's."""
     bf16_pays = bf16_pays or shared_bf16_verdict(dist)
-    plan = validate(cfg, bf16_pays=bf16_pays)
-    if cfg.train.get("precision") != "auto" or plan.precision is None or plan.device_type != "cpu":
+    config = run_config(cfg)
+    plan = validate(config, bf16_pays=bf16_pays)
+    if config.train.precision != "auto" or plan.precision is None or plan.device_type != "cpu":
         return plan
-    if same_on_every_rank(_has_work(cfg, plan), dist):  # the usual case: no second validation at start-up
+    if same_on_every_rank(_has_work(plan), dist):  # the usual case: no second validation at start-up
         return plan
-    other_mode = cfg.copy()
+    other_mode = copy.deepcopy(config)
     other_mode.train.precision = "fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast"
     other = validate(other_mode, bf16_pays=bf16_pays)
-    if same_on_every_rank(_has_work(cfg, other), dist):
+    if same_on_every_rank(_has_work(other), dist):
         log.warning("train.precision=auto: this run's work so far is in %s; going on in it", other.precision.mode)
         reason = f"auto on CPU: {other.precision.mode}, the mode this run's earlier work was done in"
         return dataclasses.replace(other, precision=dataclasses.replace(other.precision, reason=reason))
     return plan
 
 
-def _has_work(cfg: DictConfig, plan: RunPlan) -> bool:
-    trained = trained_model_for(cfg, plan)
+def _has_work(plan: RunPlan) -> bool:
+    trained = trained_model_for(plan)
     return (trained.complete() or (trained.dir / "checkpoint" / "progress.json").exists()
-            or (run_dir_for(cfg, plan) / "results.json").exists())
+            or (run_dir_for(plan) / "results.json").exists())
 
 
-def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
+def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
     """`dry_run=true`: what the run would do, from the config alone (nothing loaded, nothing written)."""
+    config = plan.config
     lines = [f"[mha2mla_exp] plan: {run_dir}"]
     if plan.trains:
-        trained = trained_model_for(cfg, plan)
+        trained = trained_model_for(plan)
         lines.append(f"  trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})")
     if plan.fine_tune:
         from ..train import plan_budget
-        from ..train.optimizer import optimizer_impl
-
-        budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.get("pretrain_tokens"),
+        budget = plan_budget(config.train, pretrain_tokens=config.model.pretrain_tokens,
                              num_processes=dist.num_processes)
         lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
                      f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
-        lines.append(f"  step: {'chunked loss' if cfg.train.get('fused_loss') else 'full logits'}, "
-                     f"{optimizer_impl(cfg.train)} AdamW (train.fused_loss, train.optimizer_impl)")
-        lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(cfg.train.lr):g})")
+        lines.append(f"  step: {'chunked loss' if config.train.fused_loss else 'full logits'}, "
+                     f"{config.train.optimizer_impl} AdamW (train.fused_loss, train.optimizer_impl)")
+        lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(config.train.lr):g})")
         if plan.launch is not None:
             lines.append(f"  processes: {plan.launch.describe()}")
         if plan.memory is not None:
@@ -194,12 +201,12 @@ def _plan_only(cfg: DictConfig, plan: RunPlan, run_dir: Path, dist) -> dict:
             written = checkpoint_bytes_per_process(parameters=plan.memory.parameters, processes=plan.memory.processes,
                                                    strategy=plan.memory.strategy)
             lines.append(f"  checkpoint: {written / 1e9:.1f} GB from the busiest process every "
-                         f"{cfg.train.checkpoint_every} steps and at a stop signal")
-    mixture = (training_data_cfg(cfg) or cfg.data).get("mixture") if plan.fine_tune else None
-    if mixture:
+                         f"{config.train.checkpoint_every} steps and at a stop signal")
+    corpus = config.train.data or config.data
+    if plan.fine_tune and corpus.mixture:
         from ..data.sources import mixture_token_shares
 
-        shares = mixture_token_shares(OmegaConf.to_container(training_data_cfg(cfg) or cfg.data, resolve=True))
+        shares = mixture_token_shares(corpus)
         lines.append("  mixture, token shares: " + ", ".join(f"{name} {share:.1%}" for name, share in shares))
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
@@ -219,7 +226,7 @@ def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) ->
         tracker.finish(record)
 
 
-def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
+def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     """The model this run evaluates, on every process: converted (untrained runs), or trained and kept, or the
     kept one reused. A model trained here is evaluated as it was kept (loaded back by every process, as a reuse
     loads it), so neither where the training left its copy (FSDP: the host, or nowhere but the main process) nor
@@ -227,17 +234,18 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
     timings = record["timings"]
     if not plan.trains:
         t = time.perf_counter()
-        model, _ = stages.load(cfg, plan, dist.device)
+        where = stages.placement(plan.config.model, plan.eval_dtype, dist.device)
+        model, _ = stages.load(plan.config.model, where, dist.device)
         record["model"]["params_original"] = stages.count_parameters(model)
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        model = stages.convert(plan, model, stages.calibration_batches(cfg, plan, data),
-                               stages.selection_batches(cfg, plan, data))
+        model = stages.convert(plan, model, stages.calibration_batches(plan, data),
+                               stages.selection_batches(plan, data))
         timings["convert_s"] = round(time.perf_counter() - t, 3)
         _describe_model(record, plan, model)
         return model
 
-    if cfg.get("trained_model_busy", "wait") == "defer" and not trained.complete() and \
+    if plan.config.trained_model_busy == "defer" and not trained.complete() and \
             same_on_every_rank(dist.is_main_process and _made_elsewhere(trained), dist):
         raise TrainedModelBusy(f"another process is making {trained.dir.name}; relaunch to evaluate it once it "
                                "is kept (trained_model_busy=defer)")
@@ -258,7 +266,7 @@ def _model_for_evaluation(cfg, plan, trained, tokenizer, data, rows, record, dis
             log.info("reusing the kept trained model %s", trained.dir)
             return model
         try:
-            model = _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+            model = _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
         except FineTuneDiverged as err:  # a result of the trained model: its other evaluations need not retry it
             if dist.is_main_process:
                 write_json_atomic(trained.dir / "trained.json", {
@@ -297,7 +305,7 @@ def _kept_info(trained: TrainedModel) -> dict | None:
     return None
 
 
-def _converted(cfg, plan, tokenizer, data, record, dist):
+def _converted(plan, tokenizer, data, record, dist):
     """(original, converted) for a run that trains: the conversion is kept under its own identity, so recipes
     that start from the same conversion (a recovery study, a second seed) convert once. `original` is None when
     nothing needs it (no teacher, no distillation) and the conversion was reused.
@@ -309,18 +317,20 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
     note_peak_rss("before_load")
     timings = record["timings"]
     t = time.perf_counter()
-    kept = TrainedModel(cfg.results_dir, describe_conversion(plan, cfg), plan.conversion_hash) \
+    config = plan.config
+    kept = TrainedModel(config.results_dir, describe_conversion(plan), plan.conversion_hash) \
         if plan.conversion_hash else None
     from ..train.objectives import build_objective
 
-    needs_teacher = build_objective(OmegaConf.to_container(cfg.objective, resolve=True)).needs_teacher
+    needs_teacher = build_objective(config.objective).needs_teacher
     reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
-    from_main = plan.fine_tune and sharding.shards(cfg.train)  # the weights come from the main process
+    from_main = plan.fine_tune and sharding.shards(config.train)  # the weights come from the main process
     holds_weights = dist.is_main_process or not from_main
     keeps_original = needs_teacher or (plan.distill and holds_weights)  # the teacher, or distillation's
     original = None
     if (holds_weights and not reuse) or keeps_original:
-        original, _ = stages.load(cfg, plan, dist.device)
+        where = stages.placement(config.model, plan.eval_dtype, dist.device)
+        original, _ = stages.load(config.model, where, dist.device)
         record["model"]["params_original"] = stages.count_parameters(original)
     timings["load_s"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
@@ -330,8 +340,8 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
         record["model"]["params_original"] = kept.info()["model"]["params_original"]
         record["reused_conversion"] = str(kept.dir)
     elif holds_weights:
-        model = stages.convert(plan, original, stages.calibration_batches(cfg, plan, data),
-                               stages.selection_batches(cfg, plan, data))
+        model = stages.convert(plan, original, stages.calibration_batches(plan, data),
+                               stages.selection_batches(plan, data))
         if kept is not None and dist.is_main_process:
             with kept.lock():
                 kept.save(model, tokenizer, {"model": {"params_original": record["model"]["params_original"],
@@ -339,42 +349,43 @@ def _converted(cfg, plan, tokenizer, data, record, dist):
                                             "rope_pairs": model.config.rope_pairs, "status": "ok",
                                             "conversion_hash": plan.conversion_hash})
     if from_main:
-        _wait_for_the_main_process_to_convert(cfg, dist)
-        config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
-        model = model if holds_weights else sharding.empty_like_main(config)
+        _wait_for_the_main_process_to_convert(config.distributed, dist)
+        model_config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
+        model = model if holds_weights else sharding.empty_like_main(model_config)
     elif not reuse:
         dist.wait_for_everyone()
     timings["convert_s"] = round(time.perf_counter() - t, 3)
     return (original if keeps_original else None), model
 
 
-def _wait_for_the_main_process_to_convert(cfg, dist) -> None:
+def _wait_for_the_main_process_to_convert(distributed: DistributedConfig, dist) -> None:
     """The other processes wait while the main one alone loads, converts or distills (FSDP): on the barrier that
     outlasts the main process's long work (`ranks.wait_for_main_process`), not in a training collective, whose
     timeout (`distributed.timeout_s`) is meant to catch hangs."""
-    wait_for_main_process(dist, eval_wait_s(cfg))
+    wait_for_main_process(dist, distributed.eval_wait_s)
 
 
-def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
-    original, model = _converted(cfg, plan, tokenizer, data, record, dist)
+def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
+    config = plan.config
+    original, model = _converted(plan, tokenizer, data, record, dist)
     if plan.distill:
         done = trained.dir / "distill.json"
-        from_main = plan.fine_tune and sharding.shards(cfg.train)  # FSDP: the main process distills alone
+        from_main = plan.fine_tune and sharding.shards(config.train)  # FSDP: the main process distills alone
         if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
             record["distill"] = json.loads(done.read_text())
         elif dist.is_main_process or not from_main:
-            record["distill"] = stages.distill(cfg, plan, original, model, data)
+            record["distill"] = stages.distill(plan, original, model, data)
             if dist.is_main_process:
                 write_json_atomic(done, record["distill"])
         if from_main:
-            _wait_for_the_main_process_to_convert(cfg, dist)
+            _wait_for_the_main_process_to_convert(config.distributed, dist)
         _stage_seconds(record)
     _describe_model(record, plan, model)
 
     if plan.fine_tune:
         from ..train.objectives import build_objective
 
-        objective = build_objective(OmegaConf.to_container(cfg.objective, resolve=True))
+        objective = build_objective(config.objective)
         teacher = stages.teacher_for(plan, original) if objective.needs_teacher else None
         original = None  # only the teacher (if any) keeps the original weights alive
         metrics = MetricsLog(trained.metrics_path)
@@ -386,9 +397,9 @@ def _train(cfg, plan, trained, tokenizer, data, rows, record, dist, tracker, fai
             tracker.log(step_record)
 
         model, record["train"] = finetune(
-            model, rows, cfg.train, trained.dir, precision=plan.precision, seed=cfg.seed, objective=objective,
-            teacher=teacher, pretrain_tokens=cfg.model.get("pretrain_tokens"), on_log=on_log,
-            probe=stages.heldout_probe(cfg, data), fail_at_step=fail_at_step, device=dist.device,
+            model, rows, config.train, trained.dir, precision=plan.precision, seed=config.seed, objective=objective,
+            teacher=teacher, pretrain_tokens=config.model.pretrain_tokens, on_log=on_log,
+            probe=stages.heldout_probe(plan, data), fail_at_step=fail_at_step, device=dist.device,
         )
         _stage_seconds(record)
         teacher = None
@@ -416,17 +427,17 @@ def _describe_model(record: dict, plan: RunPlan, model) -> None:
             record["conversion"]["lowrank_factors"] = FACTOR_SPLIT
 
 
-def _evaluate(cfg, plan, model, tokenizer, data, record, run_dir, also, placement, dist) -> None:
+def _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, dist) -> None:
     """On every process: the KV measurement and held-out perplexity whole (cheap; so that all enter the suites
     together), the lm-eval suites each on its share of the documents, gathered onto the main process, whose
     record holds them. The suites' collectives wait on the long-timeout group: shares end minutes apart."""
     t = time.perf_counter()
     record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the weights' dtype
     record["eval_dtype_reason"] = plan.eval_dtype_reason
-    record["kv"] = stages.measure_kv(cfg, plan, model, data)
-    record["eval"] = stages.evaluate(cfg, plan, model, tokenizer, data, run_dir if dist.is_main_process else None,
+    record["kv"] = stages.measure_kv(plan, model, data)
+    record["eval"] = stages.evaluate(plan, model, tokenizer, data, run_dir if dist.is_main_process else None,
                                      also=also, where=placement,
-                                     process_group=long_wait_group(dist, eval_wait_s(cfg)))
+                                     process_group=long_wait_group(dist, plan.config.distributed.eval_wait_s))
     if dist.is_main_process:
         time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
@@ -439,13 +450,13 @@ def _checkpoint_step(root: Path) -> int:
 
 
 class _Tracker:
-    """W&B mirror of the record: config, curve, results. Offline by default; WANDB_MODE wins."""
+    """W&B mirror of the record: the resolved config, curve, results. Offline by default; WANDB_MODE wins."""
 
-    def __init__(self, cfg: DictConfig | None, run_dir: Path | None):
+    def __init__(self, config: RunConfig | None, run_dir: Path | None):
         self.run = None
-        if cfg is None:
+        if config is None:
             return
-        settings = cfg.logger.wandb
+        settings = config.logger.wandb
         mode = os.environ.get("WANDB_MODE", settings.mode)
         if not settings.enabled or mode == "disabled":
             return
@@ -454,7 +465,7 @@ class _Tracker:
         self.run = wandb.init(
             project=settings.project, entity=settings.entity, group=settings.group, name=run_dir.name,
             id=hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16], resume="allow", mode=mode,
-            dir=str(run_dir), config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
+            dir=str(run_dir), config=dataclasses.asdict(config), reinit="finish_previous",
         )
 
     @classmethod
