@@ -26,9 +26,9 @@ from test_distributed import launch
 SUITE = ["train=none", "eval=long_context", "model.finetune_length=512", "eval.long_context.lengths=[400]",
          "eval.long_context.depths=[0.0,0.5,1.0]", "eval.long_context.ppl_lengths=[256]",
          "eval.long_context.ppl_docs=3", "eval.long_context.batch_size=2",
-         "eval.commonsense.enabled=true", "eval.commonsense.offline=true", "eval.commonsense.tasks=[arc_easy,piqa,mmlu]",
-         "eval.commonsense.mmlu_subjects=[anatomy,astronomy]", "eval.commonsense.limit=7",
-         "eval.commonsense.batch_size=4"]  # declared by the schema: set, not added with `+`
+         "eval.commonsense.enabled=true", "eval.commonsense.offline=true",  # declared by the schema: set, not `+`
+         "eval.commonsense.tasks=[arc_easy,piqa,mmlu]", "eval.commonsense.mmlu_subjects=[anatomy,astronomy]",
+         "eval.commonsense.limit=7", "eval.commonsense.batch_size=4"]
 
 
 def evaluated(results_dir):
