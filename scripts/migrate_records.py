@@ -10,8 +10,11 @@ committed hash (issue 45). For each run folder (a results.json with its config.y
 3. a record the old code could not re-plan (no `setting_hash`: made by code whose behaviour its config no longer
    describes) gets `legacy_run: <its old run hash>`, which keeps it apart from today's runs, as before;
 4. the config is re-planned by today's `validate`; the resolved config is written as config.yaml, the new hashes
-   into results.json (the old ones under `migrated_from`), and the folder renamed to `<name>-<new run hash>`, with
-   every Markdown link to it under the repository rewritten.
+   into results.json (the first ones under `migrated_from`), and the folder renamed to `<name>-<new run hash>`,
+   with every Markdown link to it under the repository rewritten.
+
+Run again, it re-keys migrated records whose identity a later fix changed (a teacher model read as a mapping from
+config.yaml but typed when composed) and leaves the others alone.
 
 It refuses to write anything unless the new row keys partition the records exactly as the old ones did (so every
 aggregate table keeps its rows). Usage: python scripts/migrate_records.py [--dry-run] [ROOT ...] (default: results).
@@ -57,12 +60,14 @@ def migrated_config(config_path: Path, record: dict):
 
 
 def plan_record(results: Path) -> dict:
+    """A record's plan under today's code: a record made before the schema from its config as migrated, a migrated
+    one from its config as it is (a later fix to the identity re-keys it the same way)."""
     record = json.loads(results.read_text())
-    if "migrated_from" in record:
-        return {"results": results, "record": record, "done": True}
-    cfg = migrated_config(results.parent / "config.yaml", record)
+    config = results.parent / "config.yaml"
+    cfg = OmegaConf.load(config) if "migrated_from" in record else migrated_config(config, record)
     plan = replan(cfg, record)
-    return {"results": results, "record": record, "plan": plan, "name": describe(plan, cfg), "done": False}
+    done = record["config_hash"] == plan.run_hash and record.get("setting_hash") == plan.setting_hash
+    return {"results": results, "record": record, "plan": plan, "name": describe(plan), "done": done}
 
 
 def replan(cfg, record: dict):
@@ -91,8 +96,8 @@ def migrate(item: dict) -> tuple[Path, Path]:
     results, record, plan = item["results"], item["record"], item["plan"]
     folder = results.parent
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
-    record["migrated_from"] = {k: record.get(k) for k in ("config_hash", "trained_hash", "eval_hash", "setting_hash")
-                               if record.get(k)}
+    record.setdefault("migrated_from", {k: record.get(k) for k in ("config_hash", "trained_hash", "eval_hash",
+                                                                   "setting_hash") if record.get(k)})
     record.update(config_hash=plan.run_hash, trained_hash=plan.trained_hash, eval_hash=plan.eval_hash,
                   setting_hash=plan.setting_hash)
     target = folder.with_name(f"{item['name']}-{plan.run_hash}")

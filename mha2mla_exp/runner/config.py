@@ -80,7 +80,12 @@ def run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     if isinstance(cfg, RunConfig):
         return cfg
     try:
-        return typed_section(RunConfig, cfg)
+        config = typed_section(RunConfig, cfg)
+        for group, data in (("data", config.data), ("train.data", config.train.data)):
+            # `teacher: ${model}` arrives typed when composed, a plain mapping from a recorded config.yaml: one form
+            if data is not None and isinstance(data.teacher, dict):
+                data.teacher = typed_section(ModelConfig, data.teacher, f"{group}.teacher")
+        return config
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
