@@ -21,6 +21,9 @@ if not OmegaConf.has_resolver("mla_div"):
     OmegaConf.register_new_resolver("mla_div", lambda a, b: int(a) // int(b) if int(b) else 0)
 if not OmegaConf.has_resolver("mla_mul"):
     OmegaConf.register_new_resolver("mla_mul", lambda *xs: math.prod(int(x) for x in xs))
+# a fallback for a field the schema declares but leaves null (`oc.select` falls back only when the key is absent)
+if not OmegaConf.has_resolver("mla_or"):
+    OmegaConf.register_new_resolver("mla_or", lambda value, fallback: fallback if value is None else value)
 register_schema()  # conf/config.yaml composes onto the typed schema (mha2mla_exp/schema)
 
 T = TypeVar("T")

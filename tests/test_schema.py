@@ -125,3 +125,21 @@ def test_the_config_reference_is_the_schema():
     from mha2mla_exp.schema.reference import options_reference
 
     assert (ROOT / "docs/CONFIG.md").read_text() == options_reference(), "python -m mha2mla_exp.schema > docs/CONFIG.md"
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["+data@train.data=teacher_samples", "objective=kd"], ["kv_quant=hqq4", "svd.d_kv=4"],
+    ["variant=original", "train=none"], ["train=paper", "calibration=paper"],
+])
+def test_a_recorded_config_re_plans_to_the_runs_own_hashes(overrides, monkeypatch):
+    """What a run writes as config.yaml is its identity: re-planned from the file, a relaunch (or the aggregate)
+    finds the same hashes as the composed run had (a teacher model typed when composed, a mapping when read)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny_random", "logger=none", "train.precision=fp32",
+                                                        "eval.dtype=float32", "svd.d_kv=8", *overrides])
+    plan = validate(cfg)
+    recorded = OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
+    again = validate(recorded, bf16_pays=_never_probe)
+    assert (again.run_hash, again.setting_hash, again.conversion_hash) == (plan.run_hash, plan.setting_hash,
+                                                                           plan.conversion_hash)

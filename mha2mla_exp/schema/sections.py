@@ -284,10 +284,10 @@ class EvalConfig:
     name: str = setting("default", "the suite's name")
     dtype: str = setting("auto", "lm-eval suites: auto | fastest | float32 | bfloat16; resolved at entry",
                          check=one_of(*EVAL_DTYPES))
-    perplexity: PerplexityConfig = section(PerplexityConfig)
-    commonsense: CommonsenseConfig = section(CommonsenseConfig)
-    long_context: LongContextConfig = section(LongContextConfig)
-    longbench: LongBenchConfig = section(LongBenchConfig)
+    perplexity: PerplexityConfig = section(PerplexityConfig, "held-out perplexity")
+    commonsense: CommonsenseConfig = section(CommonsenseConfig, "the commonsense suite (lm-eval)")
+    long_context: LongContextConfig = section(LongContextConfig, "offline passkey and long-document perplexity")
+    longbench: LongBenchConfig = section(LongBenchConfig, "LongBench (lm-eval)")
 
 
 @dataclass
@@ -312,7 +312,7 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
-    wandb: WandbConfig = section(WandbConfig)
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases")
 
 
 @dataclass
