@@ -239,7 +239,9 @@ def main() -> None:
 
     from mha2mla_exp.data import calibration_batches, prepare_data
     from mha2mla_exp.evaluation.perplexity import perplexity
+    from mha2mla_exp.confutil import typed_section
     from mha2mla_exp.models import load_model
+    from mha2mla_exp.schema.sections import DataConfig, ModelConfig
 
     selection_log: list[tuple[str, float]] = []
 
@@ -268,11 +270,11 @@ def main() -> None:
     partial_done: dict = {}
     lq.evaluate_ppl = evaluate_ppl
 
-    base, tokenizer = load_model(MODEL_CFG, dtype="float32")
+    base, tokenizer = load_model(typed_section(ModelConfig, MODEL_CFG, "model"), dtype="float32")
     base.eval()
     cfg = base.config
     log(f"model loaded: attn_implementation={cfg._attn_implementation}, layers={cfg.num_hidden_layers}")
-    prepared = prepare_data(DATA_CFG, tokenizer)
+    prepared = prepare_data(typed_section(DataConfig, DATA_CFG, "data"), tokenizer)
     calib = calibration_batches(prepared, n=CALIB["n"], seq_len=CALIB["seq_len"],
                                 batch_size=CALIB["batch_size"], seed=CALIB["seed"])
     select = calibration_batches(prepared, n=SELECT["n"], seq_len=SELECT["seq_len"],
