@@ -3,5 +3,5 @@
 set -euo pipefail
 . "$(dirname "$0")/paper_launch.sh"
 for model in smollm_135m smollm_360m smollm_1b7 llama2_7b; do
-  paper_launch paper_table1 "$model" "$@"
+  paper_launch table1 "$model" "$@"
 done

@@ -3,5 +3,5 @@
 set -euo pipefail
 . "$(dirname "$0")/paper_launch.sh"
 for model in smollm_135m smollm_1b7; do
-  paper_launch paper_table3 "$model" "$@"
+  paper_launch table3 "$model" "$@"
 done

@@ -3,5 +3,5 @@
 set -euo pipefail
 . "$(dirname "$0")/paper_launch.sh"
 for model in smollm_135m; do
-  paper_launch paper_table5 "$model" "$@"
+  paper_launch table5 "$model" "$@"
 done

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from mha2mla_exp.runner import ConfigError, plan_run, validate
 from mha2mla_exp.runner.config import describe
+from tests.compositions import catalogue, expand
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PUBLISHED_RUNS = CONF.parent / "results" / "runs"
@@ -55,39 +56,32 @@ def aws_access(monkeypatch):
     monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)
 
 
-@pytest.mark.parametrize("name", options("experiment"))
-def test_every_experiment_and_cell_composes_and_validates(name, aws_access, tmp_path):
-    cfg = compose_cfg([f"+experiment={name}"], hydra=True)
-    assert cfg.experiment == name
-    assert str(cfg.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"), "an experiment runs its own grid"
-    params = cfg.hydra.sweeper.params
-    assert params, "an experiment declares its grid"
-    grids = []
-    for key, value in params.items():
-        if value.startswith("glob("):
-            group = key.lstrip("+")
-            values = options(group)
-        else:
-            values = value.split(",")
-        grids.append([f"{key}={v}" for v in values])
-    import itertools
-
-    offline = offline_longbench(cfg, tmp_path)
+@pytest.mark.parametrize("name, budget", sorted(catalogue(), key=str))
+def test_every_experiment_and_row_composes_and_validates(name, budget, aws_access, tmp_path):
+    launched = [f"+experiment={name}", *([f"budget={budget}"] if budget else []), f"results_dir={PUBLISHED_RUNS}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        jobs = [job for _, job in expand(launched)]
+    assert jobs, "an experiment declares its grid"
     one_process = SimpleNamespace(num_processes=1, is_main_process=True)
     # planned as the runner plans them against the published runs (`train.precision=auto` goes on in the mode a
     # committed record was made in), on a CPU where bf16 pays and on one where it does not, whichever this is
-    cells = [compose_cfg([f"+experiment={name}", *combo, *offline, f"results_dir={PUBLISHED_RUNS}"])
-             for combo in itertools.product(*grids)]
+    cells = [compose_cfg(job + offline_longbench(compose_cfg(job), tmp_path)) for job in jobs]
     for bf16_fast in (True, False):
         pinned = lambda *_, fast=bf16_fast: (fast, "pinned by the test")  # noqa: E731
         names = {describe(plan_run(cell, one_process, bf16_pays=pinned)) for cell in cells}
         assert len(names) == len(cells), f"two cells of the grid would share a run name (bf16 pays: {bf16_fast})"
 
 
-def test_partial_rope_ablation_is_paper_table_3():
+def rows_of(*launched: str) -> list:
+    """The configs of a launch's rows (hydra/sweeper: rows expanded as tests/compositions.py does)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        jobs = [job for _, job in expand(list(launched))]
+    return [compose_cfg(job) for job in jobs]
+
+
+def test_table3_is_paper_table_3():
     rows = set()
-    for cell in options("cells/table3"):
-        cfg = compose_cfg(["+experiment=partial_rope_ablation", f"+cells/table3={cell}"])
+    for cfg in rows_of("+experiment=table3"):
         plan = validate(cfg)
         spec = plan.spec
         rows.add((plan.table_variant, spec and spec.rope, spec and spec.r, spec and spec.svd, spec and spec.d_kv))
@@ -99,11 +93,10 @@ def test_partial_rope_ablation_is_paper_table_3():
     }
 
 
-def test_main_table_uses_each_models_three_d_kv():
+def test_table1_uses_each_models_three_d_kv():
     for model, expected in (("smollm2_135m", {32, 16, 8}), ("llama2_7b", {64, 32, 16})):
         d_kvs = set()
-        for cell in options("cells/table1"):
-            cfg = compose_cfg(["+experiment=main_table", f"model={model}", f"+cells/table1={cell}"])
+        for cfg in rows_of("+experiment=table1", f"model={model}"):
             plan = validate(cfg)
             if plan.spec:
                 d_kvs.add(plan.spec.d_kv)
@@ -155,7 +148,8 @@ PAPER_BUDGETS = {  # (optimizer steps, sequences per step, sequence length): MET
 
 def sweep_commands(script: Path) -> list[list[str]]:
     """The overrides a sweep script passes for each model of its `for model in ...` loop (`paper_launch EXPERIMENT
-    "$model"`, sweeps/paper_launch.sh, which adds the launch: torchrun or SLURM tasks for the model's GPUs)."""
+    "$model"`, sweeps/paper_launch.sh, which adds the paper's budget and the launch: torchrun or SLURM tasks for the
+    model's GPUs)."""
     import re
     import shlex
 
@@ -164,7 +158,7 @@ def sweep_commands(script: Path) -> list[list[str]]:
     [line] = [l.strip() for l in text.splitlines() if l.strip().startswith("paper_launch ")]
     experiment, model, *rest = [a for a in shlex.split(line)[1:] if a != "$@"]
     assert model == "$model" and not rest, line
-    return [[f"+experiment={experiment}", f"model={m}"] for m in models]
+    return [[f"+experiment={experiment}", "budget=paper", f"model={m}"] for m in models]
 
 
 @pytest.mark.parametrize("script", sorted((CONF.parent / "sweeps").glob("paper_table*.sh")), ids=lambda p: p.stem)
@@ -185,22 +179,22 @@ def test_paper_sweeps_pair_each_model_with_its_budget_length_and_calibration(scr
 
 
 def test_paper_share_of_pretraining_tokens():
-    cfg = compose_cfg(["+experiment=paper_table1", "model=smollm_135m"])
+    cfg = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m"])
     share = 100 * cfg.train.tokens / cfg.model.pretrain_tokens
     assert 0.3 <= share <= 0.6  # the paper's claim: 0.3-0.6 % of the pretraining tokens
 
 
 def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_access):
     monkeypatch.setenv("WORLD_SIZE", "8")  # train=paper's grad_accum follows the processes: 64 / (16 x 8) = 0
-    cfg = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention"])
+    cfg = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"])
     with pytest.raises(ConfigError, match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 0 x 8 processes = 0 "
                                           r"rows .* is 64: choose micro_batch_size x processes dividing 64"):
         validate(cfg)
     with pytest.raises(ConfigError, match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 256 rows .* is 64: "
                                           r"set train\.grad_accum=0|choose micro_batch_size"):
-        validate(compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention",
-                              "train.grad_accum=2"]))
-    ok = compose_cfg(["+experiment=paper_table1", "model=smollm_135m", "+cells/table1=ft_full_attention",
+        validate(compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m",
+                              "variant=finetuned_full_attention", "train.grad_accum=2"]))
+    ok = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention",
                       "train.micro_batch_size=8"])
     assert ok.train.grad_accum == 1 and validate(ok).fine_tune
 

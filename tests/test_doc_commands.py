@@ -9,7 +9,7 @@ What each kind gets, the cheapest check that fails where the command would:
 
 - `python -m mha2mla_exp [overrides]` (and `torchrun ... -m mha2mla_exp`): composed in-process with Hydra's compose
   API and validated (`runner.validate`, what every run does before loading a weight), a sweep cell by cell (its
-  experiment's `hydra.sweeper.params` and the command's own `a,b,c` values, expanded by Hydra's BasicSweeper); plus
+  experiment's `hydra.sweeper` rows and params and the command's own `a,b,c` values, expanded as the sweeper does); plus
   the one input check a run makes after validation and before loading a weight: a fine-tune budget that would
   repeat a finite corpus (stages.training_rows). The runner's own `dry_run=true` skips that check, so it cannot be
   the check here. torchrun's `--nproc_per_node N` is validated as N processes (WORLD_SIZE). Nothing is trained:
@@ -335,18 +335,22 @@ class Checker:
 
     @staticmethod
     def sweep_cells(cfg, overrides: list[str]) -> list[list[str]]:
-        """The cells Hydra's BasicSweeper would launch: the experiment's sweeper params, then the command line."""
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        """The cells the sweeper would launch: the experiment's rows and params (hydra/sweeper: rows; Hydra's
+        BasicSweeper has params only), then the command line."""
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
 
-        if not cfg.hydra.sweeper._target_.endswith("BasicSweeper"):
+        from hydra_plugins.rows_sweeper.rows_sweeper import grid, jobs
+
+        if not cfg.hydra.sweeper._target_.endswith(("BasicSweeper", "RowsSweeper")):
             raise CommandFailed(f"sweeper {cfg.hydra.sweeper._target_} is not expanded by this test")
-        params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.get("params") or {}).items()]
+        sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
+        rows = grid(sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"),
+                    sweeper.get("only"))
         with hydra_conf():
             parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-            parsed = parser.parse_overrides(params + list(overrides))
-        return [cell for batch in BasicSweeper.split_arguments(parsed, None) for cell in batch]
+            return jobs(rows, list(overrides), parser)
 
     def cell(self, overrides: tuple[str, ...], world: int) -> None:
         key = (overrides, world)

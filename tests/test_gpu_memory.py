@@ -13,6 +13,7 @@ from mha2mla_exp.runner import validate
 from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.loss_head import CHUNK_ROWS
 from mha2mla_exp.train.memory import estimate_memory, parameter_count
+from tests.compositions import one_row
 from tests.test_distributed import ROOT
 
 LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
@@ -51,9 +52,9 @@ def test_fsdp_and_activation_checkpointing_bring_the_7b_under_a_gpu_and_ddp_does
 
 def paper_plan(*overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "model=llama2_7b", "train=paper", "data=smollm_corpus_text", "+cells/table1=mla_dkv_dh_over_8",
-            "+experiment=paper_table1", "dry_run=true", *overrides])
+        cfg = compose(config_name="config", overrides=one_row([
+            "model=llama2_7b", "train=paper", "data=smollm_corpus_text", "+experiment=table1", "budget=paper",
+            "dry_run=true", *overrides], "mla_dkv_dh_over_8"))
     return validate(cfg)
 
 
@@ -90,9 +91,9 @@ def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeyp
 
     def compose_7b(*overrides):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose(config_name="config", overrides=[
-                "model=llama2_7b", "+cells/table1=mla_dkv_dh_over_8", "+experiment=paper_table1",
-                f"results_dir={tmp_path}", "logger=none", *overrides])
+            return compose(config_name="config", overrides=one_row([
+                "model=llama2_7b", "+experiment=table1", "budget=paper", f"results_dir={tmp_path}", "logger=none",
+                *overrides], "mla_dkv_dh_over_8"))
 
     outcome = run(compose_7b("dry_run=true"))
     printed = capsys.readouterr().out

@@ -55,7 +55,7 @@ def test_a_new_strategy_runs_through_the_runner(tmp_path):
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
-            "+experiment=smoke", "+cells/smoke=mla_2-norm_joint", f"results_dir={tmp_path}",
+            "+experiment=smoke", "rope.r=2", "svd.d_kv=8", f"results_dir={tmp_path}",  # its mla_2-norm_joint row
             "rope.strategy=test-loudest-keys", "rope.r=null", "train.enabled=false"])
     plan = validate(cfg)
     assert plan.spec.rope == "test-loudest-keys" and plan.spec.r == 16 // 16 and plan.spec.needs_calibration

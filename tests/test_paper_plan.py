@@ -15,6 +15,7 @@ from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.budget import plan_budget
 from mha2mla_exp.train.memory import estimate_host_memory
 from mha2mla_exp.train.schedule import schedule_for
+from tests.compositions import one_row
 from tests.test_distributed import ROOT
 
 
@@ -28,10 +29,10 @@ def offline(monkeypatch):
     monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)
 
 
-def compose_paper(*overrides, experiment="paper_table1", cell="+cells/table1=mla_dkv_dh_over_8"):
+def compose_paper(*overrides, experiment="table1", row="mla_dkv_dh_over_8"):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"+experiment={experiment}", cell, "logger=none",
-                                                        *overrides])
+        return compose(config_name="config", overrides=one_row([f"+experiment={experiment}", "budget=paper",
+                                                                "logger=none", *overrides], row))
 
 
 def test_a_one_process_launch_of_the_8_gpu_7b_plan_is_refused_before_loading(offline, monkeypatch):
@@ -138,9 +139,9 @@ def test_the_paper_sweeps_launch_each_model_with_the_processes_its_plan_needs(tm
     log.unlink()
     subprocess.run(["bash", str(script), "hydra/launcher=slurm"], env=env, check=True)
     slurm = log.read_text().splitlines()
-    assert local[0].startswith("python -m mha2mla_exp +experiment=paper_table1 model=smollm_135m")
-    assert local[-1].startswith("torchrun --standalone --nproc_per_node 8 -m mha2mla_exp +experiment=paper_table1 "
-                                "model=llama2_7b logger=none")
+    assert local[0].startswith("python -m mha2mla_exp +experiment=table1 budget=paper model=smollm_135m")
+    assert local[-1].startswith("torchrun --standalone --nproc_per_node 8 -m mha2mla_exp +experiment=table1 "
+                                "budget=paper model=llama2_7b logger=none")
     assert "hydra.launcher.tasks_per_node=1 hydra.launcher.gpus_per_node=1" in slurm[0]
     assert "model=llama2_7b hydra.launcher.tasks_per_node=8 hydra.launcher.gpus_per_node=8" in slurm[-1]
 

@@ -14,15 +14,17 @@ from hydra import compose, initialize_config_dir
 
 from mha2mla_exp.mla.lowrank import FACTOR_SPLIT
 from mha2mla_exp.runner import run, run_dir_for, trained_model_for, validate
+from tests.compositions import one_row
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def smoke_cfg(tmp_path, cell: str, *extra: str):
+def smoke_cfg(tmp_path, row: str, *extra: str):
+    """One row of experiment=smoke (conf/experiment/smoke.yaml), as its sweep launches it, with `extra` overrides."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "+experiment=smoke", f"+cells/smoke={cell}", f"results_dir={tmp_path}", *extra,
-        ])
+        return compose(config_name="config", overrides=one_row([
+            "+experiment=smoke", f"results_dir={tmp_path}", *extra,
+        ], row))
 
 
 def launch(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
@@ -115,8 +117,8 @@ def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
 
 
 def test_invalid_config_exits_before_loading(tmp_path):
-    result = launch(tmp_path, "+experiment=smoke", "hydra.mode=RUN", "+cells/smoke=mla_2-norm_joint",
-                    "svd.d_kv=999")
+    # the smoke experiment's mla_2-norm_joint row (rope.r=2 svd.d_kv=8) with an impossible latent width
+    result = launch(tmp_path, "+experiment=smoke", "hydra.mode=RUN", "rope.r=2", "svd.d_kv=999")
     assert result.returncode != 0
     assert "svd.d_kv" in result.stderr + result.stdout
     assert not list(tmp_path.glob("smoke/*/results.json"))
