@@ -15,10 +15,16 @@ import torch
 
 def machine_info(device: torch.device, processes: int = 1) -> dict:
     """The machine a number was made on: device, processor model and its bf16-relevant flags, threads, load."""
-    info = {"device": device.type, "processes": processes, "torch": torch.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_model(),
-            "torch_threads": torch.get_num_threads(),   # timings scale with it (OMP_NUM_THREADS)
-            "allocator": allocator()}
+    info = {
+        "device": device.type,
+        "processes": processes,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu_model(),
+        "torch_threads": torch.get_num_threads(),  # timings scale with it (OMP_NUM_THREADS)
+        "allocator": allocator(),
+    }
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     else:

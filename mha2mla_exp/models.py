@@ -35,14 +35,17 @@ def check_model_config(model: ModelConfig) -> None:
     """Raise ValueError naming the offending field unless `model` can be resolved; loads no weights. Types and
     ranges are the schema's (schema/sections.ModelConfig); this checks what depends on several fields or on disk."""
     if model.shape is not None and model.shape.num_heads % model.shape.num_kv_heads:
-        raise ValueError(f"model.shape.num_kv_heads: {model.shape.num_kv_heads} does not divide "
-                         f"num_heads={model.shape.num_heads}")
+        raise ValueError(
+            f"model.shape.num_kv_heads: {model.shape.num_kv_heads} does not divide num_heads={model.shape.num_heads}"
+        )
     if model.revision is not None and model.source != "hub":
         raise ValueError(f"model.revision: {model.revision!r} applies to hub models only (source is {model.source!r})")
     if model.source == "random":
         if model.shape is None or model.shape.context_length is None:
-            raise ValueError("model.shape: source 'random' builds the model from the shape block (context_length "
-                             "included), which is missing")
+            raise ValueError(
+                "model.shape: source 'random' builds the model from the shape block (context_length "
+                "included), which is missing"
+            )
         if model.vocab_size is None:
             raise ValueError("model.vocab_size: source 'random' needs a vocabulary size")
         return
@@ -125,8 +128,9 @@ def check_shape(config, shape: ShapeConfig | None, name: str) -> None:
         raise ValueError(f"model {name!r}: the loaded model does not match model.shape ({detail}); fix the config")
 
 
-def load_model(model_cfg: ModelConfig, *, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None):
+def load_model(
+    model_cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+):
     """(model, tokenizer) for `model_cfg`, in eval mode on `device` with `dtype` (both default to the config's)."""
     check_model_config(model_cfg)
     device = resolve_device(device)
@@ -222,8 +226,9 @@ def hub_offline() -> bool:
         return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str,
-              device: torch.device = torch.device("cpu")):
+def _load_hub(
+    model_id: str, revision: str | None, dtype: torch.dtype, name: str, device: torch.device = torch.device("cpu")
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -232,8 +237,7 @@ def _load_hub(model_id: str, revision: str | None, dtype: torch.dtype, name: str
         model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype, **_placement(device))
     except (OSError, ValueError) as e:
         why = (
-            "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold "
-            "this model."
+            "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold this model."
             if hub_offline()
             else "The Hugging Face hub is unreachable from this machine, or the id is wrong, or the model is "
             "gated (Llama-2 needs an accepted licence and `hf auth login`)."

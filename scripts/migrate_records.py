@@ -96,10 +96,16 @@ def migrate(item: dict) -> tuple[Path, Path]:
     results, record, plan = item["results"], item["record"], item["plan"]
     folder = results.parent
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
-    record.setdefault("migrated_from", {k: record.get(k) for k in ("config_hash", "trained_hash", "eval_hash",
-                                                                   "setting_hash") if record.get(k)})
-    record.update(config_hash=plan.run_hash, trained_hash=plan.trained_hash, eval_hash=plan.eval_hash,
-                  setting_hash=plan.setting_hash)
+    record.setdefault(
+        "migrated_from",
+        {k: record.get(k) for k in ("config_hash", "trained_hash", "eval_hash", "setting_hash") if record.get(k)},
+    )
+    record.update(
+        config_hash=plan.run_hash,
+        trained_hash=plan.trained_hash,
+        eval_hash=plan.eval_hash,
+        setting_hash=plan.setting_hash,
+    )
     target = folder.with_name(f"{item['name']}-{plan.run_hash}")
     record["run_name"] = target.name
     if record.get("run_dir"):
@@ -128,8 +134,9 @@ def main(argv=None) -> int:
     parser.add_argument("roots", nargs="*", default=[str(REPO / "results")])
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    found = sorted(p for root in args.roots for p in Path(root).rglob("results.json")
-                   if (p.parent / "config.yaml").is_file())
+    found = sorted(
+        p for root in args.roots for p in Path(root).rglob("results.json") if (p.parent / "config.yaml").is_file()
+    )
     items, failed = [], []
     for path in found:
         try:

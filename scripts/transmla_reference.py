@@ -51,8 +51,17 @@ from pathlib import Path
 import torch
 
 MODEL_CFG = {"name": "smollm2-135m", "source": "asset", "id": "smollm2-135m"}
-DATA_CFG = {"name": "sotu", "source": "asset", "id": "sotu", "seq_len": 512, "held_out_fraction": 0.1,
-            "split_seed": 0, "separator": "eos", "max_documents": None, "max_tokens": None}
+DATA_CFG = {
+    "name": "sotu",
+    "source": "asset",
+    "id": "sotu",
+    "seq_len": 512,
+    "held_out_fraction": 0.1,
+    "split_seed": 0,
+    "separator": "eos",
+    "max_documents": None,
+    "max_tokens": None,
+}
 CALIB = {"n": 32, "seq_len": 256, "batch_size": 8, "seed": 0}
 SELECT = {"n": 16, "seq_len": 512, "batch_size": 8, "seed": 1}
 HELD_OUT_ROWS, HELD_OUT_BATCH = 32, 8
@@ -79,8 +88,9 @@ def transmla_commit(root: Path, given: str | None) -> str | None:
     if given:
         return given
     try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     stamp = root / "COMMIT"  # an exported snapshot (git archive) has no .git; the exporter writes this file
@@ -104,8 +114,10 @@ def import_transmla(root: Path):
 
     for mod in (utils, partial_rope, lora_qkv):
         assert Path(mod.__file__).resolve().parent == src.resolve(), f"{mod.__name__} imported from {mod.__file__}"
-    digests = {f"transmla/transmla/{n}": hashlib.sha256((src / n).read_bytes()).hexdigest()
-               for n in ("partial_rope.py", "lora_qkv.py", "utils.py")}
+    digests = {
+        f"transmla/transmla/{n}": hashlib.sha256((src / n).read_bytes()).hexdigest()
+        for n in ("partial_rope.py", "lora_qkv.py", "utils.py")
+    }
     return partial_rope, lora_qkv, utils, digests
 
 
@@ -145,10 +157,14 @@ def verify_cache(model, lq, batch: torch.Tensor, qk: int, r: int, collapse: int)
         assert attn.kv_a_proj_with_mqa.out_features == r + qk and attn.kv_b_proj.in_features == r
         rec = {}
         recs.append(rec)
-        hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(
-            lambda m, i, o, rec=rec: rec.__setitem__("c", o.detach())))
-        hooks.append(attn.register_forward_pre_hook(
-            lambda m, a, kw, rec=rec: rec.__setitem__("pe", kw["position_embeddings"]), with_kwargs=True))
+        hooks.append(
+            attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, i, o, rec=rec: rec.__setitem__("c", o.detach()))
+        )
+        hooks.append(
+            attn.register_forward_pre_hook(
+                lambda m, a, kw, rec=rec: rec.__setitem__("pe", kw["position_embeddings"]), with_kwargs=True
+            )
+        )
         fn = attn.attention_function
         originals.append(fn)
 
@@ -184,10 +200,14 @@ def verify_cache(model, lq, batch: torch.Tensor, qk: int, r: int, collapse: int)
         heads = (tuple(rec["q"]), tuple(rec["k"].shape), tuple(rec["v"].shape))
     if worst > 1e-5:
         raise AssertionError(f"keys/values not reproduced from the {r + qk}-wide latent: rel. error {worst:.2e}")
-    return {"cached_per_token_per_layer": r + qk, "layers_checked": len(recs), "max_rel_error": worst,
-            "attention_shapes_q_k_v": heads,
-            "method": "keys/values fed to the attention kernel rebuilt from kv_a_proj_with_mqa output alone "
-                      "(latent -> kv_b_proj; rope part -> interleaved RoPE, one key shared by all query heads)"}
+    return {
+        "cached_per_token_per_layer": r + qk,
+        "layers_checked": len(recs),
+        "max_rel_error": worst,
+        "attention_shapes_q_k_v": heads,
+        "method": "keys/values fed to the attention kernel rebuilt from kv_a_proj_with_mqa output alone "
+        "(latent -> kv_b_proj; rope part -> interleaved RoPE, one key shared by all query heads)",
+    }
 
 
 def previous_partial(out: Path, qk: int, digests: dict) -> dict | None:
@@ -198,11 +218,20 @@ def previous_partial(out: Path, qk: int, digests: dict) -> dict | None:
         except (OSError, ValueError):
             continue
         opt = rec.get("options") or {}
-        if (rec.get("status") == "ok" and rec.get("qk_mqa_dim") == qk and opt.get("freqfold") == "auto"
-                and rec.get("transmla", {}).get("files_sha256") == digests and rec.get("calibration") == CALIB
-                and rec.get("freqfold_selection_set") == SELECT):
-            return {"freqfold": opt["freqfold_chosen"], "search": opt.get("freqfold_search", []),
-                    "partial_ppl": rec.get("partial_rope_heldout_ppl"), "source": f.name}
+        if (
+            rec.get("status") == "ok"
+            and rec.get("qk_mqa_dim") == qk
+            and opt.get("freqfold") == "auto"
+            and rec.get("transmla", {}).get("files_sha256") == digests
+            and rec.get("calibration") == CALIB
+            and rec.get("freqfold_selection_set") == SELECT
+        ):
+            return {
+                "freqfold": opt["freqfold_chosen"],
+                "search": opt.get("freqfold_search", []),
+                "partial_ppl": rec.get("partial_rope_heldout_ppl"),
+                "source": f.name,
+            }
     return None
 
 
@@ -222,12 +251,20 @@ def main() -> None:
     ap.add_argument("--splits", default="32+40,32+88", help="comma list of qk_mqa_dim+kv_lora_rank")
     ap.add_argument("--freqfold", default="auto", help="their --freqfold: auto (their search) or an int")
     ap.add_argument("--skip-existing", action="store_true")
-    ap.add_argument("--rows", choices=("stratified", "first"), default="stratified",
-                    help="which 32 held-out rows: the runner's default sample over every held-out document "
-                         "(eval.perplexity.rows=stratified, row_seed 0) or the first 32 (records before it)")
-    ap.add_argument("--original-ppl-from", type=Path, default=None,
-                    help="take the original model's held-out ppl from a JSON this script wrote earlier (same model, "
-                         "data and windows) instead of measuring it again; it must still equal 31.12")
+    ap.add_argument(
+        "--rows",
+        choices=("stratified", "first"),
+        default="stratified",
+        help="which 32 held-out rows: the runner's default sample over every held-out document "
+        "(eval.perplexity.rows=stratified, row_seed 0) or the first 32 (records before it)",
+    )
+    ap.add_argument(
+        "--original-ppl-from",
+        type=Path,
+        default=None,
+        help="take the original model's held-out ppl from a JSON this script wrote earlier (same model, "
+        "data and windows) instead of measuring it again; it must still equal 31.12",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -237,9 +274,9 @@ def main() -> None:
     accept_new_kwargs(lq.LoraQKV)
     commit = transmla_commit(args.transmla, args.transmla_commit)
 
+    from mha2mla_exp.confutil import typed_section
     from mha2mla_exp.data import calibration_batches, prepare_data
     from mha2mla_exp.evaluation.perplexity import perplexity
-    from mha2mla_exp.confutil import typed_section
     from mha2mla_exp.models import load_model
     from mha2mla_exp.schema.sections import DataConfig, ModelConfig
 
@@ -275,10 +312,12 @@ def main() -> None:
     cfg = base.config
     log(f"model loaded: attn_implementation={cfg._attn_implementation}, layers={cfg.num_hidden_layers}")
     prepared = prepare_data(typed_section(DataConfig, DATA_CFG, "data"), tokenizer)
-    calib = calibration_batches(prepared, n=CALIB["n"], seq_len=CALIB["seq_len"],
-                                batch_size=CALIB["batch_size"], seed=CALIB["seed"])
-    select = calibration_batches(prepared, n=SELECT["n"], seq_len=SELECT["seq_len"],
-                                 batch_size=SELECT["batch_size"], seed=SELECT["seed"])
+    calib = calibration_batches(
+        prepared, n=CALIB["n"], seq_len=CALIB["seq_len"], batch_size=CALIB["batch_size"], seed=CALIB["seed"]
+    )
+    select = calibration_batches(
+        prepared, n=SELECT["n"], seq_len=SELECT["seq_len"], batch_size=SELECT["batch_size"], seed=SELECT["seed"]
+    )
     from mha2mla_exp.data.held_out import select_rows
 
     documents = prepared.held_out_documents()
@@ -293,15 +332,23 @@ def main() -> None:
     original_source = "measured in this run"
     if args.original_ppl_from is not None:
         earlier = json.loads(args.original_ppl_from.read_text())
-        if (earlier.get("model"), earlier.get("data"), earlier.get("held_out", {}).get("rows"),
-                earlier.get("held_out", {}).get("selection", "first")) != (MODEL_CFG, DATA_CFG, HELD_OUT_ROWS, args.rows):
+        if (
+            earlier.get("model"),
+            earlier.get("data"),
+            earlier.get("held_out", {}).get("rows"),
+            earlier.get("held_out", {}).get("selection", "first"),
+        ) != (MODEL_CFG, DATA_CFG, HELD_OUT_ROWS, args.rows):
             raise SystemExit(f"{args.original_ppl_from}: not the same model / data / held-out windows")
         original_ppl = earlier["original_ppl"]
-        original_source = f"reused from {args.original_ppl_from.name} ({earlier.get('original_ppl_source', 'measured')})"
+        original_source = (
+            f"reused from {args.original_ppl_from.name} ({earlier.get('original_ppl_source', 'measured')})"
+        )
     else:
         original_ppl = perplexity(base, held)
-    log(f"original held-out ppl {original_ppl:.4f} ({original_source}, {time.time() - t:.0f}s); "
-        f"expected {EXPECTED_ORIGINAL_PPL}")
+    log(
+        f"original held-out ppl {original_ppl:.4f} ({original_source}, {time.time() - t:.0f}s); "
+        f"expected {EXPECTED_ORIGINAL_PPL}"
+    )
     if args.rows == "first" and abs(original_ppl - EXPECTED_ORIGINAL_PPL) > 0.01:
         raise SystemExit(f"original held-out ppl {original_ppl:.4f} != {EXPECTED_ORIGINAL_PPL}: wrong data/model")
 
@@ -313,32 +360,57 @@ def main() -> None:
             continue
         t_split = time.time()
         record = {
-            "qk_mqa_dim": qk, "kv_lora_rank": r, "total": qk + r, "original_cache": original_cache,
+            "qk_mqa_dim": qk,
+            "kv_lora_rank": r,
+            "total": qk + r,
+            "original_cache": original_cache,
             "kv_reduction_pct": round(100 * (1 - (qk + r) / original_cache), 4),
-            "model": MODEL_CFG, "data": DATA_CFG, "calibration": CALIB, "freqfold_selection_set": SELECT,
-            "held_out": {"rows": HELD_OUT_ROWS, "selection": args.rows, "batch_size": HELD_OUT_BATCH, "seq_len": 512,
-                         "metric": "mha2mla_exp.evaluation.perplexity.perplexity"},
-            "original_ppl": original_ppl, "original_ppl_source": original_source,
+            "model": MODEL_CFG,
+            "data": DATA_CFG,
+            "calibration": CALIB,
+            "freqfold_selection_set": SELECT,
+            "held_out": {
+                "rows": HELD_OUT_ROWS,
+                "selection": args.rows,
+                "batch_size": HELD_OUT_BATCH,
+                "seq_len": 512,
+                "metric": "mha2mla_exp.evaluation.perplexity.perplexity",
+            },
+            "original_ppl": original_ppl,
+            "original_ppl_source": original_source,
             "transmla": {"repo": "https://github.com/fxmeng/TransMLA", "commit": commit, "files_sha256": digests},
-            "machine": machine(), "torch_threads": torch.get_num_threads(),
+            "machine": machine(),
+            "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         }
         import transformers
 
         record["transformers"] = transformers.__version__
         if head_dim % qk or (head_dim // qk) * qk != head_dim:
-            record.update(status="unsupported",
-                          reason=f"TransMLA's LoraQKV asserts qk_mqa_dim * collapse == head_dim with integer "
-                                 f"collapse; head_dim={head_dim} is not a multiple of qk_mqa_dim={qk}")
+            record.update(
+                status="unsupported",
+                reason=f"TransMLA's LoraQKV asserts qk_mqa_dim * collapse == head_dim with integer "
+                f"collapse; head_dim={head_dim} is not a multiple of qk_mqa_dim={qk}",
+            )
             write_json_atomic(path, record)
             log(f"{qk}+{r}: unsupported by their code ({record['reason']})")
             continue
         collapse = head_dim // qk  # their --collapse auto
-        options = {"freqfold": args.freqfold, "collapse": collapse, "collapse_rule": "auto = head_dim // qk_mqa_dim",
-                   "qk_mqa_dim": qk, "kv_lora_rank": r, "q_lora_rank": None, "balance_kv_ratio": 1.0,
-                   "use_qkv_norm": False, "dtype": "fp32", "device": "cpu",
-                   "cal_nsamples": CALIB["n"], "cal_max_seqlen": CALIB["seq_len"],
-                   "cal_batch_size": CALIB["batch_size"]}
+        options = {
+            "freqfold": args.freqfold,
+            "collapse": collapse,
+            "collapse_rule": "auto = head_dim // qk_mqa_dim",
+            "qk_mqa_dim": qk,
+            "kv_lora_rank": r,
+            "q_lora_rank": None,
+            "balance_kv_ratio": 1.0,
+            "use_qkv_norm": False,
+            "dtype": "fp32",
+            "device": "cpu",
+            "cal_nsamples": CALIB["n"],
+            "cal_max_seqlen": CALIB["seq_len"],
+            "cal_batch_size": CALIB["batch_size"],
+        }
         kwargs = dict(options)
         log(f"=== split {qk}+{r}: collapse={collapse}, freqfold={args.freqfold}")
         selection_log.clear()
@@ -361,7 +433,10 @@ def main() -> None:
         if reused_from:
             options["freqfold_search_reused_from"] = reused_from
         t_pr = time.time() - t
-        log(f"partial RoPE done, freqfold={freqfold} ({t_pr:.0f}s){' (search reused from ' + reused_from + ')' if reused_from else ''}")
+        log(
+            f"partial RoPE done, freqfold={freqfold} ({t_pr:.0f}s)"
+            + (f" (search reused from {reused_from})" if reused_from else "")
+        )
         if prior is not None and prior["freqfold"] == freqfold and prior.get("partial_ppl") is not None:
             partial_ppl = prior["partial_ppl"]  # the same deterministic partial-RoPE model was scored there
             log(f"partial-RoPE held-out ppl {partial_ppl:.4f} (reused from {reused_from})")
@@ -370,8 +445,12 @@ def main() -> None:
             partial_ppl = perplexity(model, held)
             log(f"partial-RoPE held-out ppl {partial_ppl:.4f} ({time.time() - t:.0f}s)")
         if args.freqfold == "auto":
-            partial_done[qk] = {"freqfold": freqfold, "search": search, "partial_ppl": partial_ppl,
-                                "source": reused_from or f"{path.name} (this run)"}
+            partial_done[qk] = {
+                "freqfold": freqfold,
+                "search": search,
+                "partial_ppl": partial_ppl,
+                "source": reused_from or f"{path.name} (this run)",
+            }
         t = time.time()
         model = lq.low_rank_qkv(model, tokenizer, train_loader, None, **kwargs)
         t_lq = time.time() - t
@@ -383,13 +462,20 @@ def main() -> None:
         ppl = perplexity(model, held, rows=rows)
         log(f"MLA held-out ppl {ppl:.4f} ({time.time() - t:.0f}s)")
         seconds = time.time() - t_split
-        record.update(status="ok", options=options, heldout_ppl=ppl, partial_rope_heldout_ppl=partial_ppl,
-                      heldout_row_nll=[round(n / max(c, 1), 6) for n, c in rows],
-                      heldout_row_tokens=[int(c) for _, c in rows],
-                      heldout_row_index=row_index.tolist(), heldout_row_document=documents[row_index].tolist(),
-                      cache_check=check, seconds=round(seconds, 1),
-                      seconds_parts={"partial_rope_incl_search": round(t_pr, 1), "low_rank_qkv": round(t_lq, 1)},
-                      nll_ratio_vs_original=math.log(ppl) / math.log(original_ppl))
+        record.update(
+            status="ok",
+            options=options,
+            heldout_ppl=ppl,
+            partial_rope_heldout_ppl=partial_ppl,
+            heldout_row_nll=[round(n / max(c, 1), 6) for n, c in rows],
+            heldout_row_tokens=[int(c) for _, c in rows],
+            heldout_row_index=row_index.tolist(),
+            heldout_row_document=documents[row_index].tolist(),
+            cache_check=check,
+            seconds=round(seconds, 1),
+            seconds_parts={"partial_rope_incl_search": round(t_pr, 1), "low_rank_qkv": round(t_lq, 1)},
+            nll_ratio_vs_original=math.log(ppl) / math.log(original_ppl),
+        )
         write_json_atomic(path, record)
         log(f"wrote {path}: {qk}+{r} -> {ppl:.4f} in {seconds:.0f}s")
         del model

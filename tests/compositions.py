@@ -42,8 +42,9 @@ def budgets(experiment: str) -> dict[str | None, str]:
 def catalogue() -> dict[tuple[str, str | None], str]:
     """(experiment, budget) -> the experiment's name there (its records' folder), for every experiment file."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return {(experiment, budget): name for experiment in experiments()
-                for budget, name in budgets(experiment).items()}
+        return {
+            (experiment, budget): name for experiment in experiments() for budget, name in budgets(experiment).items()
+        }
 
 
 def launch(experiment: str, budget: str | None = None, *extra: str) -> list[str]:
@@ -55,15 +56,17 @@ def rows(arguments: list[str]) -> dict[str, list[str]]:
     """The sweeper's rows for a launch, params appended: name -> overrides."""
     sweeper = compose(config_name="config", overrides=arguments, return_hydra_config=True).hydra.sweeper
     sweeper = OmegaConf.to_container(sweeper, resolve=True)
-    return grid(sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"),
-                sweeper.get("only"))
+    return grid(
+        sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"), sweeper.get("only")
+    )
 
 
 def expand(arguments: list[str]) -> list[tuple[str, list[str]]]:
     """Every job of a launch as (row name, its overrides in the order the sweeper passes them)."""
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    return [(name, job) for name, overrides in rows(arguments).items()
-            for job in jobs({name: overrides}, arguments, parser)]
+    return [
+        (name, job) for name, overrides in rows(arguments).items() for job in jobs({name: overrides}, arguments, parser)
+    ]
 
 
 def one_row(arguments: list[str], name: str) -> list[str]:
@@ -89,6 +92,7 @@ def launches() -> Iterator[tuple[str, str | None, list[str]]]:
 def everything() -> list[dict]:
     """Every job of every launch, composed (the order the sweeper passes the overrides in, the row's first); a
     composition that fails carries its error instead of a config."""
+
     def composed(job: list[str]) -> dict:
         try:
             return {"config": resolved(job)}
@@ -96,8 +100,11 @@ def everything() -> list[dict]:
             return {"config": {}, "error": f"{type(err).__name__}: {err}"}
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return [{"experiment": experiment, "budget": budget, "row": name, "overrides": job, **composed(job)}
-                for experiment, budget, arguments in launches() for name, job in expand(arguments)]
+        return [
+            {"experiment": experiment, "budget": budget, "row": name, "overrides": job, **composed(job)}
+            for experiment, budget, arguments in launches()
+            for name, job in expand(arguments)
+        ]
 
 
 def flat(tree, prefix: str = "") -> dict:
@@ -118,6 +125,7 @@ def moved(old: dict, new: dict) -> dict:
 
 def match(before: list[dict], after: list[dict]) -> tuple[list[dict], list[dict]]:
     """Each old composition paired with an equal new one (each new one used once): (unmatched old, unused new)."""
+
     def bucket(c: dict) -> tuple:
         return c["config"].get("experiment"), c["config"].get("model", {}).get("name")
 
@@ -146,8 +154,10 @@ def main(argv: list[str]) -> int:
     lost, unused = match(before, [c for c in after if "error" not in c])
     for old in lost:
         near = min(after, key=lambda new: len(differences(old["config"], new["config"])))
-        print(f"LOST {old['experiment']} {' '.join(old['overrides'])}\n  nearest {near['experiment']} "
-              f"{near['budget']} {' '.join(near['overrides'])}: {differences(old['config'], near['config'])}")
+        print(
+            f"LOST {old['experiment']} {' '.join(old['overrides'])}\n  nearest {near['experiment']} "
+            f"{near['budget']} {' '.join(near['overrides'])}: {differences(old['config'], near['config'])}"
+        )
     for new in unused:
         print(f"NEW  {new['experiment']} {new['budget']} {' '.join(new['overrides'])}")
     print(f"{len(before)} compositions before, {len(after)} after: {len(lost)} lost, {len(unused)} new")

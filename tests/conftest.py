@@ -15,14 +15,24 @@ def tiny_causal_lm(kind: str = "gqa", *, seed: int = 0, layers: int = 2, tie: bo
     """A float32 random model: 'mha' (4 heads), 'gqa' (4 query / 2 KV heads), 'qwen2' (GQA with q/k/v biases)
     or 'mistral' (GQA). head_dim 16, hidden 64."""
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4 if kind == "mha" else 2,
-        max_position_embeddings=256, tie_word_embeddings=tie,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4 if kind == "mha" else 2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
     )
     if kind in ("mha", "gqa"):
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -54,10 +64,12 @@ def tiny_byte_lm():
     """The model section of a tiny random Llama with the byte-level tokenizer."""
     from mha2mla_exp.schema.sections import ModelConfig, ShapeConfig
 
-    shape = ShapeConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rope_base=10000,
-                        context_length=512)
-    return ModelConfig(name="tiny-random", source="random", dtype="float32", shape=shape, vocab_size=320,
-                       intermediate_size=128, seed=0)
+    shape = ShapeConfig(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rope_base=10000, context_length=512
+    )
+    return ModelConfig(
+        name="tiny-random", source="random", dtype="float32", shape=shape, vocab_size=320, intermediate_size=128, seed=0
+    )
 
 
 TINY_BYTE_LM = tiny_byte_lm()

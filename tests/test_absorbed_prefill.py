@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_causal_lm
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import tiny_causal_lm
-from mha2mla_exp.mla import LatentCache, convert_to_mla
-from mha2mla_exp.mla import modeling
+from mha2mla_exp.mla import LatentCache, convert_to_mla, modeling
 
 SPECS = [
     ("gqa", dict(rope="uniform", r=2, svd="joint", d_kv=8)),
     ("mha", dict(rope="uniform", r=3, svd="split", d_kv=10)),
-    ("qwen2", dict(rope="rorope", r=2, svd="joint", d_kv=8)),   # one shared rope key, k/v biases
-    ("gqa", dict(rope="rorope", r=3, svd="none")),              # values cached as they are
-    ("gqa", dict(rope="none", svd="joint", d_kv=6)),            # NoPE: no rope scores at all
+    ("qwen2", dict(rope="rorope", r=2, svd="joint", d_kv=8)),  # one shared rope key, k/v biases
+    ("gqa", dict(rope="rorope", r=3, svd="none")),  # values cached as they are
+    ("gqa", dict(rope="none", svd="joint", d_kv=6)),  # NoPE: no rope scores at all
 ]
 IDS = [f"{kind}-{spec['rope']}-{spec['svd']}" for kind, spec in SPECS]
 
@@ -93,7 +92,7 @@ def test_chunked_absorbed_prefill_equals_expanded_with_padding_and_cache(kind, s
         cache = LatentCache()
         steps = [mla(ids[:, :t], attention_mask=mask[:, :t], cache=cache, use_cache=True).logits]
         for i in range(t, t + 4):  # each decode step carries the padding mask, so it is a masked 'prefill' of one
-            steps.append(mla(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache, use_cache=True).logits)
+            steps.append(mla(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache, use_cache=True).logits)
         logits[absorb] = torch.cat(steps, dim=1)
     valid = mask.bool()  # padded query rows attend to nothing real; their outputs are not compared
     torch.testing.assert_close(logits[True][valid], logits[False][valid], rtol=1e-4, atol=1e-4)

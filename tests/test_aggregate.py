@@ -11,11 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from mha2mla_exp.aggregate import build_aggregate
-from mha2mla_exp.aggregate import comparisons, plots
+from mha2mla_exp.aggregate import build_aggregate, comparisons, plots
 from mha2mla_exp.aggregate.__main__ import main
-from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
 from mha2mla_exp.aggregate.paired import Z95
+from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
 from mha2mla_exp.aggregate.render import main_view, to_markdown
 from mha2mla_exp.evaluation.samples import SAMPLES_FILE, write_samples
 
@@ -55,27 +54,74 @@ def cells(series: pd.Series, columns) -> dict:
 # ---------------------------------------------------------------- Table 1
 def test_table1_our_rows_beside_the_paper(agg):
     t1 = agg.tables["table1"]
-    cols = ["ours_model", "n_seeds", "train_tokens", "kv_mem_change_pct", "kv_mem_change_pct_paper", "avg",
-            "avg_paper", "avg_delta", "avg_delta_paper", "vs", "mmlu", "mmlu_paper", "winogrande",
-            "winogrande_paper"]
+    cols = [
+        "ours_model",
+        "n_seeds",
+        "train_tokens",
+        "kv_mem_change_pct",
+        "kv_mem_change_pct_paper",
+        "avg",
+        "avg_paper",
+        "avg_delta",
+        "avg_delta_paper",
+        "vs",
+        "mmlu",
+        "mmlu_paper",
+        "winogrande",
+        "winogrande_paper",
+    ]
     m = "135M SmolLM"
     assert cells(row(t1, model=m, method="original"), cols) == {
-        "ours_model": OURS_135M, "n_seeds": 1, "train_tokens": 0, "kv_mem_change_pct": 0.0,
-        "kv_mem_change_pct_paper": None, "avg": 44.5, "avg_paper": 44.5, "avg_delta": None, "avg_delta_paper": None,
-        "vs": None, "mmlu": 30.0, "mmlu_paper": 29.8, "winogrande": 52.0, "winogrande_paper": 52.01}
+        "ours_model": OURS_135M,
+        "n_seeds": 1,
+        "train_tokens": 0,
+        "kv_mem_change_pct": 0.0,
+        "kv_mem_change_pct_paper": None,
+        "avg": 44.5,
+        "avg_paper": 44.5,
+        "avg_delta": None,
+        "avg_delta_paper": None,
+        "vs": None,
+        "mmlu": 30.0,
+        "mmlu_paper": 29.8,
+        "winogrande": 52.0,
+        "winogrande_paper": 52.01,
+    }
     # two seeds of the same configuration: their mean, each seed counted once; against the original
     ft = row(t1, model=m, method="finetuned_full_attention", ours_model=OURS_135M)
     assert cells(ft, cols) == {
-        "ours_model": OURS_135M, "n_seeds": 2, "train_tokens": 500000, "kv_mem_change_pct": 0.0,
-        "kv_mem_change_pct_paper": None, "avg": 44.5, "avg_paper": 44.25, "avg_delta": 0.0,
-        "avg_delta_paper": -0.25, "vs": "original", "mmlu": 30.0, "mmlu_paper": 29.82, "winogrande": 52.0,
-        "winogrande_paper": 51.07}
-    assert ft["seeds"] == "0,1" and ft["avg_seed_sd"] == pytest.approx(math.sqrt(0.5), abs=1e-4)   # 44 and 45
+        "ours_model": OURS_135M,
+        "n_seeds": 2,
+        "train_tokens": 500000,
+        "kv_mem_change_pct": 0.0,
+        "kv_mem_change_pct_paper": None,
+        "avg": 44.5,
+        "avg_paper": 44.25,
+        "avg_delta": 0.0,
+        "avg_delta_paper": -0.25,
+        "vs": "original",
+        "mmlu": 30.0,
+        "mmlu_paper": 29.82,
+        "winogrande": 52.0,
+        "winogrande_paper": 51.07,
+    }
+    assert ft["seeds"] == "0,1" and ft["avg_seed_sd"] == pytest.approx(math.sqrt(0.5), abs=1e-4)  # 44 and 45
     assert cells(row(t1, model=m, d_kv=16, ours_model=OURS_135M), cols) == {
-        "ours_model": OURS_135M, "n_seeds": 1, "train_tokens": 500000, "kv_mem_change_pct": -81.25,
-        "kv_mem_change_pct_paper": -81.25, "avg": 41.0, "avg_paper": 41.84, "avg_delta": -3.5,
-        "avg_delta_paper": -2.41, "vs": "FT full attention @ 500,000", "mmlu": 28.0, "mmlu_paper": 28.66,
-        "winogrande": 50.0, "winogrande_paper": 49.8}
+        "ours_model": OURS_135M,
+        "n_seeds": 1,
+        "train_tokens": 500000,
+        "kv_mem_change_pct": -81.25,
+        "kv_mem_change_pct_paper": -81.25,
+        "avg": 41.0,
+        "avg_paper": 41.84,
+        "avg_delta": -3.5,
+        "avg_delta_paper": -2.41,
+        "vs": "FT full attention @ 500,000",
+        "mmlu": 28.0,
+        "mmlu_paper": 28.66,
+        "winogrande": 50.0,
+        "winogrande_paper": 49.8,
+    }
     # these records carry no doc counts: a delta, but no interval and no verdict on it
     assert row(t1, model=m, d_kv=16, ours_model=OURS_135M)["verdict"] == "no interval"
 
@@ -90,9 +136,9 @@ def test_table1_paper_numbers_untouched(agg):
     t1 = agg.tables["table1"]
     paper = paper_commonsense().query("table == 1")
     assert list(t1["model"].drop_duplicates()) == ["135M SmolLM", "360M SmolLM", "1B7 SmolLM", "7B Llama2"]
-    assert len(t1) == len(paper) == 20          # every paper row once, ours matched onto them
+    assert len(t1) == len(paper) == 20  # every paper row once, ours matched onto them
     assert t1["avg_paper"].tolist() == paper["avg"].tolist()
-    assert row(t1, model="7B Llama2", d_kv=64)["r"] == 8    # the paper's r = d_h/16 with d_h = 128
+    assert row(t1, model="7B Llama2", d_kv=64)["r"] == 8  # the paper's r = d_h/16 with d_h = 128
     # 360M runs have only LongBench results: they must not appear as Table 1 rows
     assert (t1["ours_model"] == "smollm2-360m").sum() == 0
 
@@ -106,7 +152,7 @@ def test_table2_longbench_by_precision(agg):
     hqq = row(t2, model=m, method="original", kv_quant="Int4 HQQ", ours_model="smollm2-360m")
     assert (hqq["longbench_avg"], hqq["avg_paper"], hqq["avg_delta_paper"]) == (11.0, 13.4, pytest.approx(-0.1))
     assert hqq["kv_mem_change_pct"] == -73.44 and hqq["kv_mem_change_pct_paper"] == -75.0
-    assert pd.isna(hqq["kv_dtype"]) and hqq["kv_grouping"] == "transformers"   # made before either was recorded
+    assert pd.isna(hqq["kv_dtype"]) and hqq["kv_grouping"] == "transformers"  # made before either was recorded
     quanto = row(t2, model=m, method="original", kv_quant="Int4 Quanto")
     assert quanto["n_seeds"] == 0 and pd.isna(quanto["longbench_avg"])
     assert quanto["avg_delta_paper"] == pytest.approx(-0.2)
@@ -119,11 +165,25 @@ def test_table3_strategies(agg):
     cols = ["n_seeds", "avg", "avg_paper", "avg_delta", "avg_delta_paper", "arc", "arc_paper"]
     m = "135M SmolLM"
     assert cells(row(t3, model=m, method="partial_rope", rope="high", ours_model=OURS_135M), cols) == {
-        "n_seeds": 1, "avg": 43.0, "avg_paper": 43.4, "avg_delta": -1.5, "avg_delta_paper": pytest.approx(-0.85),
-        "arc": 41.0, "arc_paper": 41.15}
-    assert cells(row(t3, model=m, method="partial_rope+svd", rope="2-norm", svd="split", ours_model=OURS_135M),
-                 cols) == {"n_seeds": 1, "avg": 40.0, "avg_paper": 40.92, "avg_delta": -4.5,
-                           "avg_delta_paper": pytest.approx(-3.33), "arc": 37.0, "arc_paper": 37.85}
+        "n_seeds": 1,
+        "avg": 43.0,
+        "avg_paper": 43.4,
+        "avg_delta": -1.5,
+        "avg_delta_paper": pytest.approx(-0.85),
+        "arc": 41.0,
+        "arc_paper": 41.15,
+    }
+    assert cells(
+        row(t3, model=m, method="partial_rope+svd", rope="2-norm", svd="split", ours_model=OURS_135M), cols
+    ) == {
+        "n_seeds": 1,
+        "avg": 40.0,
+        "avg_paper": 40.92,
+        "avg_delta": -4.5,
+        "avg_delta_paper": pytest.approx(-3.33),
+        "arc": 37.0,
+        "arc_paper": 37.85,
+    }
     # the low-r Table 5 run and the d_kv=8 Table 1 run are not Table 3 configurations
     assert set(t3.loc[t3["n_seeds"] > 0, "rope"]) == {"full", "high", "2-norm"}
 
@@ -135,22 +195,26 @@ def test_table5_r_ablation(agg):
     assert (full["n_seeds"], full["avg"], full["avg_paper"]) == (2, 44.5, 44.25)
     low = row(t5, model=m, rope="low", r=2, ours_model=OURS_135M)
     assert (low["avg"], low["avg_paper"], low["avg_delta"], low["avg_delta_paper"]) == (
-        38.0, 37.94, -6.5, pytest.approx(-6.31))
+        38.0,
+        37.94,
+        -6.5,
+        pytest.approx(-6.31),
+    )
     diverged = row(t5, model=m, rope="uniform", r=8)
     assert diverged["n_seeds"] == 0 and pd.isna(diverged["avg"])
 
 
 def test_runs_not_in_the_paper_get_their_own_row(tmp_path):
     run = json.loads((FIXTURES / "table3/smollm2-135m__2-norm-r4__split-dkv16/results.json").read_text())
-    run["mla"]["svd"], run["mla"]["rope"] = "joint", "low"      # low + SVD: Table 3 never printed it
+    run["mla"]["svd"], run["mla"]["rope"] = "joint", "low"  # low + SVD: Table 3 never printed it
     (tmp_path / "x").mkdir()
     (tmp_path / "x/results.json").write_text(json.dumps(run))
     (tmp_path / "x/config.yaml").write_text("model: {paper_name: 135M SmolLM}\n")
     t3 = build_aggregate([tmp_path]).tables["table3"]
     extra = row(t3, model="135M SmolLM", rope="low", svd="joint")
     assert (extra["n_seeds"], extra["avg"]) == (1, 40.0) and pd.isna(extra["avg_paper"])
-    assert extra.name == t3.index[t3["model"] == "135M SmolLM"].max()   # after the model's paper rows
-    assert pd.isna(extra["avg_delta"]) and extra["verdict"] == "no baseline"   # no fine-tuned run: none guessed
+    assert extra.name == t3.index[t3["model"] == "135M SmolLM"].max()  # after the model's paper rows
+    assert pd.isna(extra["avg_delta"]) and extra["verdict"] == "no baseline"  # no fine-tuned run: none guessed
 
 
 # ---------------------------------------------------------------- rows: budgets, seeds, doc samples, intervals
@@ -160,15 +224,31 @@ def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=5
     scores = {c: avg for c in columns} | {"arc": avg, "avg": avg, "limit": limit}
     mla = None if method != "mla" else {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": d_kv}
     return {
-        "run_name": f"{method}-{tokens}-{seed}-{limit}", "experiment": "x", "status": status,
-        "setting_hash": f"{method}-{tokens}-{limit}-{d_kv}-{n}",   # the identity but the seed
-        "model": {"name": "smollm2-135m"}, "variant": method if method != "mla" else "mla", "mla": mla,
-        "kv_quant": None, "kv": {"mem_change_pct": {8: -87.5, 16: -81.25, 32: -68.75}[d_kv] if mla else 0.0,
-                                 "dtype": "float32"},
+        "run_name": f"{method}-{tokens}-{seed}-{limit}",
+        "experiment": "x",
+        "status": status,
+        "setting_hash": f"{method}-{tokens}-{limit}-{d_kv}-{n}",  # the identity but the seed
+        "model": {"name": "smollm2-135m"},
+        "variant": method if method != "mla" else "mla",
+        "mla": mla,
+        "kv_quant": None,
+        "kv": {"mem_change_pct": {8: -87.5, 16: -81.25, 32: -68.75}[d_kv] if mla else 0.0, "dtype": "float32"},
         "train": {"tokens": tokens} if tokens else None,
-        "eval": {"commonsense": scores, "meta": {"commonsense": {
-            "limit": limit, "mmlu_limit": 1, "sample": "random", "seed": 1234, "source": "offline: ...",
-            "n_docs": {c: n for c in columns}}}} | extra}
+        "eval": {
+            "commonsense": scores,
+            "meta": {
+                "commonsense": {
+                    "limit": limit,
+                    "mmlu_limit": 1,
+                    "sample": "random",
+                    "seed": 1234,
+                    "source": "offline: ...",
+                    "n_docs": {c: n for c in columns},
+                }
+            },
+        }
+        | extra,
+    }
 
 
 def _write(root: Path, name: str, record: dict, seed: int = 0, rows: list | None = None) -> Path:
@@ -189,11 +269,14 @@ def test_rows_with_different_budgets_never_share_a_table_row(tmp_path):
     _write(tmp_path, "original", _record("original", 0, avg=0.44))
     t1 = build_aggregate([tmp_path]).tables["table1"]
     ours = t1[(t1["d_kv"] == 16) & (t1["n_seeds"] > 0)].set_index("train_tokens")
-    assert sorted(ours.index) == [0, 8192, 32768]   # one row per budget, never merged
+    assert sorted(ours.index) == [0, 8192, 32768]  # one row per budget, never merged
     assert ours["avg"].to_dict() == {0: 35.0, 8192: 31.0, 32768: 32.0}
     # each against the baseline of its own budget; none at 8k, where no full-attention model was fine-tuned
-    assert ours["vs"].to_dict() == {0: "original", 8192: "FT full attention @ 8,192",
-                                    32768: "FT full attention @ 32,768"}
+    assert ours["vs"].to_dict() == {
+        0: "original",
+        8192: "FT full attention @ 8,192",
+        32768: "FT full attention @ 32,768",
+    }
     assert ours.loc[32768, "avg_delta"] == pytest.approx(-8.0) and ours.loc[0, "avg_delta"] == pytest.approx(-9.0)
     assert pd.isna(ours.loc[8192, "avg_delta"]) and ours.loc[8192, "verdict"] == "no baseline"
     # 50 docs per column, no per-doc results: an unpaired binomial interval, by hand
@@ -203,13 +286,16 @@ def test_rows_with_different_budgets_never_share_a_table_row(tmp_path):
     assert ours.loc[32768, "ci"] == "unpaired binomial" and ours.loc[32768, "verdict"] == "lower"
     view = main_view(t1, with_kv_memory=True)
     assert list(view.loc[view["row"].str.startswith("2-norm") & (view["seeds"] != ""), "tokens"]) == [
-        "0", "8,192", "32,768"]
+        "0",
+        "8,192",
+        "32,768",
+    ]
 
 
 def test_different_doc_samples_are_never_paired_and_a_seed_counts_once(tmp_path):
     _write(tmp_path, "ft", _record("finetuned_full_attention", avg=0.40, limit=100, n=100))
-    _write(tmp_path, "mla_a", _record(avg=0.30))                          # 50 docs: other docs than the FT's
-    _write(tmp_path, "mla_b", _record(avg=0.30, train_probe=True))        # the same seed again (a probe run)
+    _write(tmp_path, "mla_a", _record(avg=0.30))  # 50 docs: other docs than the FT's
+    _write(tmp_path, "mla_b", _record(avg=0.30, train_probe=True))  # the same seed again (a probe run)
     _write(tmp_path, "mla_seed1", _record(seed=1, avg=0.34), seed=1)
     t1 = build_aggregate([tmp_path]).tables["table1"]
     mla = row(t1, d_kv=16, ours_model=OURS_135M)
@@ -219,25 +305,52 @@ def test_different_doc_samples_are_never_paired_and_a_seed_counts_once(tmp_path)
 
 
 def _passkey_rows(correct: dict[int, list[int]]) -> list[dict]:
-    return [{"suite": "long_context", "column": f"passkey@{length}", "task": f"passkey_L{length}", "doc_id": i,
-             "doc_hash": f"{length}-{i}", "acc": float(v)} for length, values in correct.items()
-            for i, v in enumerate(values)]
+    return [
+        {
+            "suite": "long_context",
+            "column": f"passkey@{length}",
+            "task": f"passkey_L{length}",
+            "doc_id": i,
+            "doc_hash": f"{length}-{i}",
+            "acc": float(v),
+        }
+        for length, values in correct.items()
+        for i, v in enumerate(values)
+    ]
 
 
 def _passkey_record(method, kv_quant=None, correct=None, tokens=0, grouping=None):
     lengths = sorted(correct)
     scores = {f"passkey@{L}": sum(v) / len(v) for L, v in correct.items()}
     scores["avg"] = sum(scores.values()) / len(scores)
-    quant = None if kv_quant is None else {"backend": kv_quant[0], "nbits": kv_quant[1], "residual_length": 128,
-                                           **({"grouping": grouping} if grouping else {})}
-    return {"run_name": f"{method}-{kv_quant}", "experiment": "kv", "status": "ok", "model": {"name": "smollm2-135m"},
-            "variant": "mla" if method == "mla" else method,
-            "mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 16} if method == "mla" else None,
-            "kv_quant": quant, "kv": {"mem_change_pct": 0.0, "dtype": "float32", "bytes_per_token_measured": 46080},
-            "train": {"tokens": tokens} if tokens else None,
-            "eval": {"long_context": scores, "kv_cache": {"bytes_per_token_measured": 1000.0 if quant else None},
-                     "meta": {"long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2,
-                                               "seed": 1234}}}}
+    quant = (
+        None
+        if kv_quant is None
+        else {
+            "backend": kv_quant[0],
+            "nbits": kv_quant[1],
+            "residual_length": 128,
+            **({"grouping": grouping} if grouping else {}),
+        }
+    )
+    return {
+        "run_name": f"{method}-{kv_quant}",
+        "experiment": "kv",
+        "status": "ok",
+        "model": {"name": "smollm2-135m"},
+        "variant": "mla" if method == "mla" else method,
+        "mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 16} if method == "mla" else None,
+        "kv_quant": quant,
+        "kv": {"mem_change_pct": 0.0, "dtype": "float32", "bytes_per_token_measured": 46080},
+        "train": {"tokens": tokens} if tokens else None,
+        "eval": {
+            "long_context": scores,
+            "kv_cache": {"bytes_per_token_measured": 1000.0 if quant else None},
+            "meta": {
+                "long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2, "seed": 1234}
+            },
+        },
+    }
 
 
 def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
@@ -245,15 +358,20 @@ def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
     int2 = {1024: [0, 0, 1, 0, 0, 0], 2048: [0, 1, 0, 0, 0, 0]}
     _write(tmp_path, "orig", _passkey_record("original", correct=base), rows=_passkey_rows(base))
     _write(tmp_path, "orig_hqq2", _passkey_record("original", ("hqq", 2), int2), rows=_passkey_rows(int2))
-    _write(tmp_path, "orig_hqq4", _passkey_record("original", ("hqq", 4), base, grouping="tokens"),
-           rows=_passkey_rows(base))
+    _write(
+        tmp_path,
+        "orig_hqq4",
+        _passkey_record("original", ("hqq", 4), base, grouping="tokens"),
+        rows=_passkey_rows(base),
+    )
     _write(tmp_path, "mla", _passkey_record("mla", correct=int2), rows=_passkey_rows(int2))
-    short = {512: [1, 0, 1, 1, 1, 1]}        # other lengths: a row of its own, its Avg over its own length
+    short = {512: [1, 0, 1, 1, 1, 1]}  # other lengths: a row of its own, its Avg over its own length
     _write(tmp_path, "orig_short", _passkey_record("original", correct=short), rows=_passkey_rows(short))
     t2 = build_aggregate([tmp_path]).tables["table2"]
     ours = t2[(t2["n_seeds"] > 0) & t2["eval_sample"].str.startswith("lengths=[1024", na=False)]
-    other = row(t2, method="original", kv_quant="unquantized", eval_sample="lengths=[512] depths=[0.0, 0.5, 1.0] x2 "
-                                                                          "seed=1234")
+    other = row(
+        t2, method="original", kv_quant="unquantized", eval_sample="lengths=[512] depths=[0.0, 0.5, 1.0] x2 seed=1234"
+    )
     assert other["avg"] == pytest.approx(100 * 5 / 6, abs=1e-3) and other["avg_low"] < other["avg"] < other["avg_high"]
     assert pd.isna(other["passkey@1024"]) and other["verdict"] == "reference"
     hqq2 = row(ours, method="original", kv_quant="Int2 HQQ")
@@ -261,7 +379,7 @@ def test_table2_comes_from_the_run_records_with_paired_intervals(tmp_path):
     by_hand = 100 * ((sum(int2[1024]) - sum(base[1024])) / 6 + (sum(int2[2048]) - sum(base[2048])) / 6) / 2
     assert hqq2["avg_delta"] == pytest.approx(by_hand, abs=1e-4) and hqq2["ci"] == "paired bootstrap"
     assert hqq2["avg_delta_low"] <= by_hand <= hqq2["avg_delta_high"] and hqq2["verdict"] == "lower"
-    same = row(ours, method="original", kv_quant="Int4 HQQ")      # same answers on every doc: zero width
+    same = row(ours, method="original", kv_quant="Int4 HQQ")  # same answers on every doc: zero width
     assert (same["avg_delta"], same["avg_delta_low"], same["avg_delta_high"]) == (0.0, 0.0, 0.0)
     assert same["verdict"] == "not resolved" and same["kv_grouping"] == "tokens"
     assert row(ours, method="partial_rope+svd")["vs"] == "original"
@@ -275,8 +393,10 @@ def test_non_ok_runs_listed_with_status(written):
     runs = pd.read_csv(written[0] / "runs.csv")
     assert len(runs) == 12
     left_out = runs[~runs["in_tables"]].set_index("run_name")
-    assert left_out["status"].to_dict() == {"smollm2-135m__2-norm-r4__joint-dkv32": "failed",
-                                           "smollm2-135m__uniform-r8__partial": "diverged"}
+    assert left_out["status"].to_dict() == {
+        "smollm2-135m__2-norm-r4__joint-dkv32": "failed",
+        "smollm2-135m__uniform-r8__partial": "diverged",
+    }
     assert left_out.loc["smollm2-135m__2-norm-r4__joint-dkv32", "error"].startswith("RuntimeError")
 
 
@@ -288,7 +408,7 @@ def test_runs_not_ok_stay_out_even_with_scores(tmp_path):
         (tmp_path / status).mkdir()
         (tmp_path / status / "results.json").write_text(json.dumps(run))
     agg = build_aggregate([tmp_path])
-    cell = row(agg.tables["table1"], model="smollm2-135m", d_kv=16)    # no config.yaml: no paper name
+    cell = row(agg.tables["table1"], model="smollm2-135m", d_kv=16)  # no config.yaml: no paper name
     assert (cell["n_seeds"], cell["avg"]) == (1, 41.0)
     assert sorted(agg.runs["status"]) == ["diverged", "ok", "running"]
 
@@ -312,10 +432,13 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
             latex = (tmp_path / "tables" / f"{view}.tex").read_text()
             assert "nan" not in markdown.lower() and "<NA>" not in markdown and "None" not in markdown
             assert "\\begin{tabular}" in latex and "nan" not in latex.lower()
-    lines = [[c.strip() for c in l.split("|")[1:-1]] for l in (tmp_path / "tables/table1.md").read_text().splitlines()
-             if l.startswith("|")]
+    lines = [
+        [c.strip() for c in l.split("|")[1:-1]]
+        for l in (tmp_path / "tables/table1.md").read_text().splitlines()
+        if l.startswith("|")
+    ]
     rows = [dict(zip(lines[0], l)) for l in lines[2:]]
-    assert len(lines[0]) <= 14      # a table a reader takes in: not 24 columns
+    assert len(lines[0]) <= 14  # a table a reader takes in: not 24 columns
     dkv32 = next(r for r in rows if r["row"] == "2-norm r=4, joint SVD d_kv=32")
     assert (dkv32["Avg ±95%"], dkv32["paper Avg"], dkv32["paper Δ"], dkv32["seeds"]) == ("", "43.06", "−1.19", "")
     ft = next(r for r in rows if r["row"] == "FT full attention")
@@ -325,6 +448,7 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
 def test_markdown_without_tabulate(monkeypatch, agg):
     def missing(*args, **kwargs):
         raise ImportError("Missing optional dependency 'tabulate'")
+
     monkeypatch.setattr(pd.DataFrame, "to_markdown", missing)
     text = to_markdown(main_view(agg.tables["table5"]))
     header, rule, first = text.splitlines()[:3]
@@ -335,7 +459,7 @@ def test_markdown_without_tabulate(monkeypatch, agg):
 def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MHA2MLA_RESULTS", raising=False)
-    assert main([]) == 0                      # results/runs absent
+    assert main([]) == 0  # results/runs absent
     assert "no run records found" in capsys.readouterr().out
     t1 = pd.read_csv(tmp_path / "results/aggregate/tables/table1.csv")
     assert len(t1) == 20 and t1["n_seeds"].eq(0).all() and t1["avg"].isna().all()
@@ -353,15 +477,18 @@ def test_cli_on_run_dirs(written):
 
 # ---------------------------------------------------------------- plots
 def series(ax) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines
-            if not line.get_label().startswith("_")}   # errorbar's own lines are labelled by their container
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.lines
+        if not line.get_label().startswith("_")
+    }  # errorbar's own lines are labelled by their container
 
 
 def test_kv_memory_plot_draws_the_paper_line(agg):
     ax = plots.kv_memory_vs_avg(agg.tables["table1"]).axes[0]
     assert ax.get_xlabel() == "KV cache memory (% of MHA)" and ax.get_ylabel() == plots.AVG_LABEL
     lines = series(ax)
-    assert set(lines) == {"paper: 135M SmolLM (2.25B tokens)"}      # only the models we ran
+    assert set(lines) == {"paper: 135M SmolLM (2.25B tokens)"}  # only the models we ran
     assert lines["paper: 135M SmolLM (2.25B tokens)"] == ([12.5, 18.75, 31.25, 100.0], [40.97, 41.84, 43.06, 44.25])
     ours = {c.get_label(): c for c in ax.containers}
     assert list(ours) == ["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
@@ -377,8 +504,9 @@ def test_kv_memory_plot_one_line_per_budget_with_whiskers(tmp_path):
             _write(tmp_path, f"mla{tokens}_{d_kv}", _record(tokens=tokens, d_kv=d_kv, avg=avg + tokens / 1e6))
     ax = plots.kv_memory_vs_avg(build_aggregate([tmp_path]).tables["table1"]).axes[0]
     lines = {c.get_label(): c for c in ax.containers}
-    assert set(lines) == {f"ours: smollm2-135m (135M SmolLM), {t:,} tokens, 50/task, MMLU 50 · FP32"
-                          for t in (8192, 32768)}
+    assert set(lines) == {
+        f"ours: smollm2-135m (135M SmolLM), {t:,} tokens, 50/task, MMLU 50 · FP32" for t in (8192, 32768)
+    }
     for label, container in lines.items():
         tokens = 8192 if "8,192" in label else 32768
         y = list(container.lines[0].get_ydata())
@@ -393,8 +521,15 @@ def test_strategy_plot(agg):
     ax = figure.axes[0]
     assert ax.get_xlabel() == "partial-RoPE strategy" and ax.get_ylabel() == plots.AVG_LABEL
     assert [t.get_text() for t in ax.get_xticklabels()] == [
-        "high", "low", "uniform", "2-norm", "high+SVD joint", "uniform+SVD joint", "2-norm+SVD joint",
-        "2-norm+SVD split"]
+        "high",
+        "low",
+        "uniform",
+        "2-norm",
+        "high+SVD joint",
+        "uniform+SVD joint",
+        "2-norm+SVD joint",
+        "2-norm+SVD split",
+    ]
     bars = {c.get_label(): [b.get_height() for b in c] for c in ax.containers if hasattr(c, "patches")}
     assert bars["paper"] == [43.4, 37.76, 43.76, 43.77, 41.04, 41.77, 41.84, 40.92]
     ours = bars["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
@@ -408,9 +543,11 @@ def test_loss_curve_plot(agg):
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("fine-tuning tokens", "training loss")
     lines = series(ax)
     assert lines["smollm2-135m: FT full attention (mean of 2)"] == (
-        [125000, 250000, 375000, 500000], pytest.approx([3.1, 2.9, 2.8, 2.7]))
+        [125000, 250000, 375000, 500000],
+        pytest.approx([3.1, 2.9, 2.8, 2.7]),
+    )
     assert lines["smollm2-135m: partial RoPE uniform r=8 [diverged]"][1] == [3.5, 7.9, 12.4]
-    assert len(lines) == 7                    # six ok variants + the diverged run; no curve for the originals
+    assert len(lines) == 7  # six ok variants + the diverged run; no curve for the originals
     dashed = [l.get_label() for l in ax.lines if l.get_linestyle() == "--"]
     assert dashed == ["smollm2-135m: partial RoPE uniform r=8 [diverged]"]
 
@@ -420,10 +557,15 @@ def test_long_context_plot(agg):
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("context length (tokens)", "long-context score (%)")
     assert ax.get_xscale() == "log"
     lines = series(ax)
-    assert set(lines) == {"smollm2-135m: original", "smollm2-135m: FT full attention (mean of 2)",
-                          "smollm2-135m: MLA 2-norm r=4 joint d_kv=16"}
+    assert set(lines) == {
+        "smollm2-135m: original",
+        "smollm2-135m: FT full attention (mean of 2)",
+        "smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
+    }
     assert lines["smollm2-135m: FT full attention (mean of 2)"] == (
-        [256, 512, 1024], pytest.approx([100.0, 100.0, 95.0]))
+        [256, 512, 1024],
+        pytest.approx([100.0, 100.0, 95.0]),
+    )
     assert lines["smollm2-135m: MLA 2-norm r=4 joint d_kv=16"][1] == pytest.approx([100.0, 80.0, 40.0])
     assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512", "1024"]
 
@@ -431,10 +573,20 @@ def test_long_context_plot(agg):
 def test_plots_saved_as_png_and_pdf(written):
     tmp_path = written[0]
     files = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert files == [f"{name}.{ext}" for name in ("budget_vs_transmla", "kv_memory_vs_avg", "long_context_vs_length",
-                                                  "loss_curves", "recovery_curves", "recovery_study_curves",
-                                                  "strategy_comparison", "teacher_recovery_curves")
-                     for ext in ("pdf", "png")]
+    assert files == [
+        f"{name}.{ext}"
+        for name in (
+            "budget_vs_transmla",
+            "kv_memory_vs_avg",
+            "long_context_vs_length",
+            "loss_curves",
+            "recovery_curves",
+            "recovery_study_curves",
+            "strategy_comparison",
+            "teacher_recovery_curves",
+        )
+        for ext in ("pdf", "png")
+    ]
     assert all(p.stat().st_size > 1000 for p in (tmp_path / "plots").iterdir())
     assert (tmp_path / "plots/loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "plots/loss_curves.pdf").read_bytes()[:4] == b"%PDF"
@@ -458,18 +610,28 @@ class _FakeApi:
 
 def test_wandb_runs_join_the_tables():
     # shaped like the runner's W&B logging: the resolved Hydra config, a slash-keyed summary without `mla`
-    config = {"model": {"name": "smollm2-135m", "paper_name": "135M SmolLM", "shape": {"head_dim": 64}},
-              "variant": "mla", "seed": 0, "rope": {"strategy": "2-norm", "r": None, "score": "product"},
-              "svd": {"method": "joint", "d_kv": 32, "sigma": "up", "init": "weight"},
-              "kv_quant": {"backend": None, "nbits": None, "residual_length": 128}}
-    summary = {"status": "ok", "kv/mem_change_pct": -68.75, "train/tokens": 500000,
-               "eval/commonsense/avg": 0.42, "eval/commonsense/mmlu": 0.3, "eval/commonsense/limit": 200}
-    crashed = {"mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 8}}   # nested form, no status
+    config = {
+        "model": {"name": "smollm2-135m", "paper_name": "135M SmolLM", "shape": {"head_dim": 64}},
+        "variant": "mla",
+        "seed": 0,
+        "rope": {"strategy": "2-norm", "r": None, "score": "product"},
+        "svd": {"method": "joint", "d_kv": 32, "sigma": "up", "init": "weight"},
+        "kv_quant": {"backend": None, "nbits": None, "residual_length": 128},
+    }
+    summary = {
+        "status": "ok",
+        "kv/mem_change_pct": -68.75,
+        "train/tokens": 500000,
+        "eval/commonsense/avg": 0.42,
+        "eval/commonsense/mmlu": 0.3,
+        "eval/commonsense/limit": 200,
+    }
+    crashed = {"mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 8}}  # nested form, no status
     api = _FakeApi([_FakeRun("a", "finished", config, summary), _FakeRun("b", "crashed", config, crashed)])
     agg = build_aggregate([FIXTURES], wandb_project="e/p", wandb_api=api)
     cell = row(agg.tables["table1"], model="135M SmolLM", d_kv=32)
     assert (cell["n_seeds"], cell["avg"], cell["avg_delta"], cell["mmlu"]) == (1, 42.0, -2.5, 30.0)
-    assert cell["r"] == 4                      # rope.r: null resolved to d_h/16
+    assert cell["r"] == 4  # rope.r: null resolved to d_h/16
     runs = agg.runs.set_index("run_name")
     assert runs.loc["b", "status"] == "failed" and runs.loc["b", "d_kv"] == 8
     assert "config.seed" in agg.records and "_step" not in agg.records
@@ -488,8 +650,10 @@ def test_non_default_options_are_a_row_of_their_own(tmp_path):
     rows = t1[(t1["model"] == "135M SmolLM") & (t1["d_kv"] == 16)]
     assert rows["options"].isna().tolist() == [True, False] and rows["options"].iloc[1] == "score=sum"
     assert rows["avg"].tolist() == [41.0, 42.0] and rows["avg_paper"].tolist() == [41.84, 41.84]
-    assert sorted(agg.runs["label"]) == ["smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
-                                         "smollm2-135m: MLA 2-norm r=4 joint d_kv=16 (score=sum)"]
+    assert sorted(agg.runs["label"]) == [
+        "smollm2-135m: MLA 2-norm r=4 joint d_kv=16",
+        "smollm2-135m: MLA 2-norm r=4 joint d_kv=16 (score=sum)",
+    ]
 
 
 # ---------------------------------------------------------------- comparisons: pairwise, dtype check
@@ -499,9 +663,19 @@ def _commonsense_rows(answers: dict[str, list[int]], gold: int = 0) -> list[dict
     for column, chosen in answers.items():
         metric = "acc" if column == "winogrande" else "acc_norm"
         for i, choice in enumerate(chosen):
-            rows.append({"suite": "commonsense", "column": column, "task": column, "doc_id": i,
-                         "doc_hash": f"{column}{i}",
-                         "gold": gold, "pred": choice, "pred_norm": choice, metric: float(choice == gold)})
+            rows.append(
+                {
+                    "suite": "commonsense",
+                    "column": column,
+                    "task": column,
+                    "doc_id": i,
+                    "doc_hash": f"{column}{i}",
+                    "gold": gold,
+                    "pred": choice,
+                    "pred_norm": choice,
+                    metric: float(choice == gold),
+                }
+            )
     return rows
 
 
@@ -538,7 +712,7 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     runs = {  # name: (method, tokens, d_kv, objective, on the teacher's text, correct docs of 20, eval dtype)
         "original": ("original", 0, 16, None, False, 16, "float32"),
         "ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
-        "ce_sotu_short": ("mla", 4096, 16, "ce", False, 9, "float32"),   # one of each on SOTU: ce's budget decides
+        "ce_sotu_short": ("mla", 4096, 16, "ce", False, 9, "float32"),  # one of each on SOTU: ce's budget decides
         "ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
         "ce_teacher_again": ("mla", 8192, 32, "ce", True, 14, "float32"),
         "ce_teacher_long": ("mla", 16384, 16, "ce", True, 13, "float32"),
@@ -551,11 +725,11 @@ def test_recovery_grid_pairs_each_recovery_with_the_original_and_names_the_contr
     assert sorted(grid.index) == pytest.approx([-35.0, -30.0, -25.0, -20.0, -15.0, -10.0])
     assert grid.loc[-30.0, "recovery"] == "ce on sotu" and grid.loc[-25.0, "recovery"] == "kd on teacher-samples"
     assert (grid["recovery"] == "ce on teacher-samples").sum() == 3
-    assert grid.loc[-15.0, "differs"] == "16,384 tokens"                            # the controls, named
+    assert grid.loc[-15.0, "differs"] == "16,384 tokens"  # the controls, named
     assert grid.loc[-35.0, "differs"] == "4,096 tokens"
     assert (grid.drop(index=[-15.0, -35.0])["differs"] == "").all()
     assert sorted(grid["kv saving %"].unique()) == [-81.25, -68.75]
-    assert (grid["high"] > grid.index).all() and (grid["low"] < grid.index).all()   # a paired interval each
+    assert (grid["high"] > grid.index).all() and (grid["low"] < grid.index).all()  # a paired interval each
     figure = plots.recovery_grid(grid.reset_index(), "t", -2.0)
     assert [ax.get_title(loc="left") for ax in figure.axes[:2]] == ["KV cache -68.75 %", "KV cache -81.25 %"]
     hollow = [line for ax in figure.axes for line in ax.lines if line.get_markerfacecolor() == "white"]
@@ -566,14 +740,16 @@ def test_recovery_grid_takes_the_seeds_of_a_cell_as_one_row_on_their_per_documen
     from mha2mla_exp.aggregate.recovery_study import recovery_grid
 
     n = 20
-    runs = {"original": ("original", 0, 16, None, False, 16, "float32"),
-            "kd_s0": ("mla", 8192, 16, "kd", True, 11, "float32", 0),
-            "kd_s1": ("mla", 8192, 16, "kd", True, 13, "float32", 1),
-            "ce": ("mla", 8192, 16, "ce", True, 14, "float32")}
+    runs = {
+        "original": ("original", 0, 16, None, False, 16, "float32"),
+        "kd_s0": ("mla", 8192, 16, "kd", True, 11, "float32", 0),
+        "kd_s1": ("mla", 8192, 16, "kd", True, 13, "float32", 1),
+        "ce": ("mla", 8192, 16, "ce", True, 14, "float32"),
+    }
     grid = recovery_grid(_recovery_runs(tmp_path, runs, n), "teacher_recovery").set_index("recovery")
     assert len(grid) == 2
     assert grid.loc["kd on teacher-samples", "seeds"] == 2 and grid.loc["ce on teacher-samples", "seeds"] == 1
-    assert grid.loc["kd on teacher-samples", "delta"] == pytest.approx((12 - 16) / n * 100)   # the seeds' mean, 12 docs
+    assert grid.loc["kd on teacher-samples", "delta"] == pytest.approx((12 - 16) / n * 100)  # the seeds' mean, 12 docs
 
 
 def test_recovery_matrix_lays_the_usual_recipes_out_as_conversion_by_recovery():
@@ -582,14 +758,30 @@ def test_recovery_matrix_lays_the_usual_recipes_out_as_conversion_by_recovery():
     from mha2mla_exp.aggregate.recovery_study import recovery_matrix
 
     def row(saving, conversion, recovery, delta, precision="fp32", differs="", seeds=1):
-        return {"kv saving %": saving, "conversion": conversion, "recovery": recovery, "delta": delta,
-                "low": delta - 1.5, "high": delta + 1.5, "resolved": abs(delta) > 1.5, "precision": precision,
-                "differs": differs, "seeds": seeds, "run_dir": f"{conversion}/{recovery}/{precision}/{differs}"}
+        return {
+            "kv saving %": saving,
+            "conversion": conversion,
+            "recovery": recovery,
+            "delta": delta,
+            "low": delta - 1.5,
+            "high": delta + 1.5,
+            "resolved": abs(delta) > 1.5,
+            "precision": precision,
+            "differs": differs,
+            "seeds": seeds,
+            "run_dir": f"{conversion}/{recovery}/{precision}/{differs}",
+        }
 
-    grid = pd.DataFrame([row(-81.25, "a", "ce on sotu", -6.6), row(-81.25, "a", "ce on teacher", -4.7),
-                         row(-81.25, "a", "ce on teacher", -5.1, precision="bf16-autocast"),
-                         row(-81.25, "a", "ce on teacher", -5.7, differs="1,536,000 tokens"),
-                         row(-68.75, "b", "kd on teacher", -1.0), row(-68.75, "b", "ce on teacher", -2.0, seeds=2)])
+    grid = pd.DataFrame(
+        [
+            row(-81.25, "a", "ce on sotu", -6.6),
+            row(-81.25, "a", "ce on teacher", -4.7),
+            row(-81.25, "a", "ce on teacher", -5.1, precision="bf16-autocast"),
+            row(-81.25, "a", "ce on teacher", -5.7, differs="1,536,000 tokens"),
+            row(-68.75, "b", "kd on teacher", -1.0),
+            row(-68.75, "b", "ce on teacher", -2.0, seeds=2),
+        ]
+    )
     matrix = recovery_matrix(grid).set_index(["kv saving %", "conversion"])
     assert list(matrix.index) == [(-68.75, "b"), (-81.25, "a")]
     assert matrix.loc[(-81.25, "a"), "ce on sotu"] == "-6.6 [-8.1, -5.1]"
@@ -606,25 +798,29 @@ def test_recovery_interactions_difference_an_ingredients_gain_between_two_rows_o
     from mha2mla_exp.aggregate.recovery_study import recovery_grid, recovery_interactions
 
     n = 20
-    runs = {"original": ("original", 0, 16, None, False, 16, "float32"),
-            "s81_ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
-            "s81_ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
-            "s81_kd_teacher": ("mla", 4096, 16, "kd", True, 11, "float32"),
-            "s81_kd_teacher_long": ("mla", 16384, 16, "kd", True, 19, "float32"),   # a control
-            "s69_ce_sotu": ("mla", 8192, 32, "ce", False, 10, "float32"),
-            "s69_ce_teacher": ("mla", 8192, 32, "ce", True, 14, "float32"),
-            "s69_kd_teacher": ("mla", 4096, 32, "kd", True, 15, "float32")}
+    runs = {
+        "original": ("original", 0, 16, None, False, 16, "float32"),
+        "s81_ce_sotu": ("mla", 8192, 16, "ce", False, 10, "float32"),
+        "s81_ce_teacher": ("mla", 8192, 16, "ce", True, 12, "float32"),
+        "s81_kd_teacher": ("mla", 4096, 16, "kd", True, 11, "float32"),
+        "s81_kd_teacher_long": ("mla", 16384, 16, "kd", True, 19, "float32"),  # a control
+        "s69_ce_sotu": ("mla", 8192, 32, "ce", False, 10, "float32"),
+        "s69_ce_teacher": ("mla", 8192, 32, "ce", True, 14, "float32"),
+        "s69_kd_teacher": ("mla", 4096, 32, "kd", True, 15, "float32"),
+    }
     frame = _recovery_runs(tmp_path, runs, n)
     table = recovery_interactions(frame, "teacher_recovery", recovery_grid(frame, "teacher_recovery"))
     table = table.set_index("contrast")
-    assert sorted(table.index) == ["objective: kd on teacher-samples − ce on teacher-samples",
-                                   "text: ce on teacher-samples − ce on sotu"]
+    assert sorted(table.index) == [
+        "objective: kd on teacher-samples − ce on teacher-samples",
+        "text: ce on teacher-samples − ce on sotu",
+    ]
     kd = table.loc["objective: kd on teacher-samples − ce on teacher-samples"]
-    assert (kd["kv saving % (a)"], kd["kv saving % (b)"]) == (-68.75, -81.25)    # the smaller saving first
+    assert (kd["kv saving % (a)"], kd["kv saving % (b)"]) == (-68.75, -81.25)  # the smaller saving first
     assert kd["at a"].startswith("+5.0 [") and kd["at b"].startswith("-5.0 [")
-    assert kd["estimate"] == pytest.approx(10.0) and kd["low"] <= 10.0 <= kd["high"]   # (15 − 14) − (11 − 12)
+    assert kd["estimate"] == pytest.approx(10.0) and kd["low"] <= 10.0 <= kd["high"]  # (15 − 14) − (11 − 12)
     text = table.loc["text: ce on teacher-samples − ce on sotu"]
-    assert text["at a"].startswith("+20.0") and text["at b"].startswith("+10.0")   # 14 − 10 and 12 − 10 docs
+    assert text["at a"].startswith("+20.0") and text["at b"].startswith("+10.0")  # 14 − 10 and 12 − 10 docs
     assert text["estimate"] == pytest.approx(10.0)
     assert text["training precisions"] == kd["training precisions"]
 
@@ -633,7 +829,7 @@ def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
     columns = PARTS
     fp32 = {c: [i % 3 for i in range(30)] for c in columns}
     bf16 = {c: list(v) for c, v in fp32.items()}
-    bf16["piqa"][:3] = [1, 0, 0]          # docs 1 and 2 flip to correct, doc 0 to wrong: 3 of 210 answers differ
+    bf16["piqa"][:3] = [1, 0, 0]  # docs 1 and 2 flip to correct, doc 0 to wrong: 3 of 210 answers differ
     for dtype, answers in (("float32", fp32), ("bfloat16", bf16)):
         record = _record("original", 0, n=30)
         record["eval"]["commonsense"].update(_scores_of(answers))
@@ -643,16 +839,18 @@ def test_dtype_check_counts_agreeing_answers_and_pairs_the_scores(tmp_path):
     check = comparisons.dtype_check(agg.runs).iloc[0]
     assert (check["dtype"], check["same answers"], check["docs"]) == ("BF16", 207, 210)
     assert check["piqa same %"] == pytest.approx(100 * 27 / 30) and check["mmlu same %"] == 100.0
-    assert check["avg_delta"] == pytest.approx(100 * (1 / 30) / 6, abs=1e-4)     # one more correct PIQA doc
+    assert check["avg_delta"] == pytest.approx(100 * (1 / 30) / 6, abs=1e-4)  # one more correct PIQA doc
     # two dtypes are two rows of Table 1, never merged
     assert sorted(agg.tables["table1"].query("n_seeds > 0")["eval_dtype"]) == ["BF16", "FP32"]
 
 
 def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
     columns = PARTS
-    answers = {"original": {c: [0] * 20 for c in columns},
-               "finetuned_full_attention": {c: [0] * 18 + [1, 1] for c in columns},
-               "mla": {c: [0] * 10 + [1] * 10 for c in columns}}
+    answers = {
+        "original": {c: [0] * 20 for c in columns},
+        "finetuned_full_attention": {c: [0] * 18 + [1, 1] for c in columns},
+        "mla": {c: [0] * 10 + [1] * 10 for c in columns},
+    }
     for method, a in answers.items():
         record = _record(method, 0 if method == "original" else 32768, n=20) | {"experiment": "headline"}
         record["eval"]["commonsense"].update(_scores_of(a))
@@ -667,8 +865,10 @@ def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
     # the forest plot against the original: one bar per row paired with it, best on top, the goal line
     figure = plots.score_deltas_vs(pairs.reset_index(), "original", "t", target=-2.0)
     ax = figure.axes[0]
-    assert [t.get_text().split(" @")[0] for t in ax.get_yticklabels()] == ["FT full attention",
-                                                                           "2-norm r=4, joint SVD d_kv=16"]
+    assert [t.get_text().split(" @")[0] for t in ax.get_yticklabels()] == [
+        "FT full attention",
+        "2-norm r=4, joint SVD d_kv=16",
+    ]
     points = [line.get_xdata()[0] for line in ax.lines if line.get_marker() == "o" and len(line.get_xdata())]
     assert points == pytest.approx([-10.0, -50.0])
     assert -2.0 in [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"]
@@ -676,9 +876,11 @@ def test_pairwise_compares_every_pair_on_the_same_docs(tmp_path):
 
 def test_rows_recovered_on_their_own_text_are_plotted_against_its_held_out_perplexity(tmp_path):
     columns = PARTS
-    answers = {"original": ({c: [0] * 20 for c in columns}, None),
-               "finetuned_full_attention": ({c: [0] * 18 + [1, 1] for c in columns}, 12.0),
-               "mla": ({c: [0] * 10 + [1] * 10 for c in columns}, 20.0)}
+    answers = {
+        "original": ({c: [0] * 20 for c in columns}, None),
+        "finetuned_full_attention": ({c: [0] * 18 + [1, 1] for c in columns}, 12.0),
+        "mla": ({c: [0] * 10 + [1] * 10 for c in columns}, 20.0),
+    }
     for method, (a, ppl) in answers.items():
         record = _record(method, 0 if method == "original" else 32768, n=20) | {"experiment": "teacher_recovery"}
         record["eval"]["commonsense"].update(_scores_of(a))
@@ -693,7 +895,7 @@ def test_rows_recovered_on_their_own_text_are_plotted_against_its_held_out_perpl
     avg_panel, hs_panel = figure.axes[0], figure.axes[1]
     assert "Avg" in avg_panel.get_title() and "HS" in hs_panel.get_title()
     (points,) = [line for line in avg_panel.lines if line.get_marker() == "o"]
-    assert list(points.get_xdata()) == [12.0, 20.0]                 # sorted by the perplexity
+    assert list(points.get_xdata()) == [12.0, 20.0]  # sorted by the perplexity
     assert list(points.get_ydata()) == pytest.approx([-10.0, -50.0])  # each row's paired delta to the original
     assert avg_panel.get_xscale() == "log"
 
@@ -703,9 +905,18 @@ def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_pat
     from mha2mla_exp.aggregate.zero_shot import zero_shot_table
 
     def zero_shot(name, variant, ppl, mla=None, kv=0.0, tokens=None):
-        record = {"run_name": name, "experiment": "rorope_zero_shot", "status": "ok", "model": {"name": "smollm2-135m"},
-                  "variant": variant, "mla": mla, "kv_quant": None, "kv": {"mem_change_pct": kv, "dtype": "float32"},
-                  "train": {"tokens": tokens} if tokens else None, "eval": {"perplexity": {"heldout": ppl}}}
+        record = {
+            "run_name": name,
+            "experiment": "rorope_zero_shot",
+            "status": "ok",
+            "model": {"name": "smollm2-135m"},
+            "variant": variant,
+            "mla": mla,
+            "kv_quant": None,
+            "kv": {"mem_change_pct": kv, "dtype": "float32"},
+            "train": {"tokens": tokens} if tokens else None,
+            "eval": {"perplexity": {"heldout": ppl}},
+        }
         _write(tmp_path, name, record)
 
     zero_shot("orig", "original", 30.0)
@@ -715,7 +926,7 @@ def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_pat
     zero_shot("trained", "partial_rope", 40.0, {"rope": "2-norm", "r": 4, "svd": "none"}, tokens=1024)
     agg = build_aggregate([tmp_path])
     table = zero_shot_table(agg.runs, "rorope_zero_shot")
-    assert list(table["RoPE"]) == ["original", "rorope r=4", "2-norm r=4", "rorope r=4"]   # fine-tuned run left out
+    assert list(table["RoPE"]) == ["original", "rorope r=4", "2-norm r=4", "rorope r=4"]  # fine-tuned run left out
     assert list(table["× original"]) == [1.0, 1.5, 2.0, 3.0]
     assert list(table["KV memory"])[-1] == "-81.25 %"
     assert (tmp_path / "out" / "tables" / "rorope_zero_shot.md") in write_aggregate(agg, tmp_path / "out")
@@ -727,16 +938,26 @@ def test_labels_name_a_kv_budget_and_the_teacher_set_they_recovered_on():
     from mha2mla_exp.aggregate.render import row_label
 
     def teacher(train, held_out):
-        return flatten({"train_data": {"name": "teacher-samples", "source": "teacher",
-                                       "documents": {"train": train, "held_out": held_out}}})
+        return flatten(
+            {
+                "train_data": {
+                    "name": "teacher-samples",
+                    "source": "teacher",
+                    "documents": {"train": train, "held_out": held_out},
+                }
+            }
+        )
 
     assert train_data_label(teacher(1949, 99)) == "teacher-samples (2,048 samples)"
     assert train_data_label(teacher(5834, 310)) == "teacher-samples (6,144 samples)"
     assert train_data_label(flatten({"train_data": {"name": "sotu", "documents": {"train": 200}}})) == "sotu"
     assert train_data_label({}) is None
     budget = {"method": "mla", "rope": "rorope", "svd": "joint", "r": None, "d_kv": None}
-    assert row_label({**budget, "kv_elements": 72, "rope_dims": "32"}) == \
-        "rorope + joint SVD, 72 KV elements (rope dims 32)"
-    assert row_label({**budget, "kv_elements": 120, "rope_dims": "46"}) != row_label({**budget, "kv_elements": 72,
-                                                                                         "rope_dims": "32"})
+    assert (
+        row_label({**budget, "kv_elements": 72, "rope_dims": "32"})
+        == "rorope + joint SVD, 72 KV elements (rope dims 32)"
+    )
+    assert row_label({**budget, "kv_elements": 120, "rope_dims": "46"}) != row_label(
+        {**budget, "kv_elements": 72, "rope_dims": "32"}
+    )
     assert row_label({**budget, "r": 4, "d_kv": 16}) == "rorope r=4, joint SVD d_kv=16"

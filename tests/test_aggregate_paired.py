@@ -11,13 +11,32 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from mha2mla_exp.aggregate.paired import (BOOTSTRAP_SEED, N_BOOTSTRAP, Z95, _combine, binomial_se, bootstrap_scores,
-                                          commonsense_spec, doc_values, paired_bootstrap, paired_contrast,
-                                          point_scores, resample_counts, unpaired_difference)
+from mha2mla_exp.aggregate.paired import (
+    BOOTSTRAP_SEED,
+    N_BOOTSTRAP,
+    Z95,
+    _combine,
+    binomial_se,
+    bootstrap_scores,
+    commonsense_spec,
+    doc_values,
+    paired_bootstrap,
+    paired_contrast,
+    point_scores,
+    resample_counts,
+    unpaired_difference,
+)
 
 SPEC = commonsense_spec()
-TASKS = {"mmlu": ["mmlu_a", "mmlu_b"], "arc_easy": ["arc_easy"], "arc_challenge": ["arc_challenge"],
-         "piqa": ["piqa"], "hellaswag": ["hellaswag"], "openbookqa": ["openbookqa"], "winogrande": ["winogrande"]}
+TASKS = {
+    "mmlu": ["mmlu_a", "mmlu_b"],
+    "arc_easy": ["arc_easy"],
+    "arc_challenge": ["arc_challenge"],
+    "piqa": ["piqa"],
+    "hellaswag": ["hellaswag"],
+    "openbookqa": ["openbookqa"],
+    "winogrande": ["winogrande"],
+}
 
 
 def frame(correct: dict[str, np.ndarray]) -> pd.DataFrame:
@@ -27,8 +46,16 @@ def frame(correct: dict[str, np.ndarray]) -> pd.DataFrame:
         metric = "acc" if column == "winogrande" else "acc_norm"
         for task in tasks:
             for doc_id, value in enumerate(correct[task]):
-                rows.append({"suite": "commonsense", "column": column, "task": task, "doc_id": doc_id,
-                             "doc_hash": f"{task}-{doc_id}", metric: float(value)})
+                rows.append(
+                    {
+                        "suite": "commonsense",
+                        "column": column,
+                        "task": task,
+                        "doc_id": doc_id,
+                        "doc_hash": f"{task}-{doc_id}",
+                        metric: float(value),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -53,7 +80,7 @@ def test_known_difference_on_one_task_gives_the_binomial_interval():
     better = {t: v.copy() for t, v in base.items()}
     n, k = 400, 40
     base["piqa"] = np.ones(n)
-    better["piqa"] = np.r_[np.zeros(k), np.ones(n - k)]    # worse on exactly k of n docs
+    better["piqa"] = np.r_[np.zeros(k), np.ones(n - k)]  # worse on exactly k of n docs
     row, ref = doc_values([frame(better)], SPEC), doc_values([frame(base)], SPEC)
     out = paired_bootstrap(row, ref, SPEC, n_boot=20000)
     # the resampled mean difference is -Binomial(n, k/n)/n: its percentile interval, to one doc
@@ -70,7 +97,7 @@ def test_known_difference_on_one_task_gives_the_binomial_interval():
 def test_arc_easy_counts_half_in_arc_and_a_twelfth_in_the_avg():
     base = random_correct(2)
     other = {t: v.copy() for t, v in base.items()}
-    other["arc_easy"] = 1 - base["arc_easy"][:]              # every answer flipped
+    other["arc_easy"] = 1 - base["arc_easy"][:]  # every answer flipped
     out = paired_bootstrap(doc_values([frame(other)], SPEC), doc_values([frame(base)], SPEC), SPEC)
     d = (1 - 2 * base["arc_easy"]).mean()
     assert out["arc_easy"].estimate == pytest.approx(d)
@@ -85,7 +112,7 @@ def test_mmlu_docs_are_resampled_within_their_subject():
     base["mmlu_a"], base["mmlu_b"] = np.ones(n1), np.ones(n2)
     other["mmlu_a"], other["mmlu_b"] = np.r_[np.zeros(k), np.ones(n1 - k)], np.ones(n2)
     out = paired_bootstrap(doc_values([frame(other)], SPEC), doc_values([frame(base)], SPEC), SPEC, n_boot=20000)
-    assert out["mmlu"].estimate == pytest.approx(-k / (n1 + n2))   # pooled: the size-weighted mean
+    assert out["mmlu"].estimate == pytest.approx(-k / (n1 + n2))  # pooled: the size-weighted mean
     p = k / n1  # only subject a varies: sd = sqrt(n1 p (1-p)) / (n1 + n2); pooled resampling would give 1.32x
     half = Z95 * math.sqrt(n1 * p * (1 - p)) / (n1 + n2)
     assert (out["mmlu"].high - out["mmlu"].low) / 2 == pytest.approx(half, rel=0.06)
@@ -111,16 +138,36 @@ def test_different_documents_are_never_paired():
 
 
 def test_binomial_standard_errors_by_hand():
-    scores = {"mmlu": 0.3, "arc_easy": 0.5, "arc_challenge": 0.25, "piqa": 0.6, "hellaswag": 0.4,
-              "openbookqa": 0.3, "winogrande": 0.5}
-    n = {"mmlu": 57, "arc_easy": 50, "arc_challenge": 50, "piqa": 50, "hellaswag": 50, "openbookqa": 50,
-         "winogrande": 50}
+    scores = {
+        "mmlu": 0.3,
+        "arc_easy": 0.5,
+        "arc_challenge": 0.25,
+        "piqa": 0.6,
+        "hellaswag": 0.4,
+        "openbookqa": 0.3,
+        "winogrande": 0.5,
+    }
+    n = {
+        "mmlu": 57,
+        "arc_easy": 50,
+        "arc_challenge": 50,
+        "piqa": 50,
+        "hellaswag": 50,
+        "openbookqa": 50,
+        "winogrande": 50,
+    }
     se = binomial_se(scores, n, SPEC)
     by_hand = {c: math.sqrt(p * (1 - p) / n[c]) for c, p in scores.items()}
     assert se["piqa"] == pytest.approx(by_hand["piqa"])
     assert se["arc"] == pytest.approx(0.5 * math.hypot(by_hand["arc_easy"], by_hand["arc_challenge"]))
-    six = [by_hand["mmlu"], se["arc"], by_hand["piqa"], by_hand["hellaswag"], by_hand["openbookqa"],
-           by_hand["winogrande"]]
+    six = [
+        by_hand["mmlu"],
+        se["arc"],
+        by_hand["piqa"],
+        by_hand["hellaswag"],
+        by_hand["openbookqa"],
+        by_hand["winogrande"],
+    ]
     assert se["avg"] == pytest.approx(math.sqrt(sum(x * x for x in six)) / 6)
     d = unpaired_difference(0.40, 0.02, 0.37, 0.015)
     assert (d.estimate, d.high - d.estimate) == (pytest.approx(0.03), pytest.approx(Z95 * 0.025))
@@ -180,18 +227,18 @@ def _fresh_column_means(diff: pd.Series, n_boot: int, seed: int) -> dict[str, np
     return {c: sums[c] / counts[c] for c in sums}
 
 
-@pytest.mark.parametrize("mmlu", [(100, 300), (1, 1)])   # (1, 1): two single-doc subjects, pooled into one stratum
+@pytest.mark.parametrize("mmlu", [(100, 300), (1, 1)])  # (1, 1): two single-doc subjects, pooled into one stratum
 def test_shared_resamples_give_the_intervals_of_fresh_draws_to_the_last_digit(mmlu):
     a = doc_values([frame(random_correct(12, mmlu=mmlu))], SPEC)
-    shuffled = frame(random_correct(13, mmlu=mmlu)).sample(frac=1, random_state=0)   # other order: reindexed
+    shuffled = frame(random_correct(13, mmlu=mmlu)).sample(frac=1, random_state=0)  # other order: reindexed
     b = doc_values([shuffled], SPEC)
     before = resample_counts.cache_info()
     shared = paired_bootstrap(a, b, SPEC)
     again = paired_bootstrap(b, a, SPEC, n_boot=N_BOOTSTRAP)
-    assert resample_counts.cache_info().hits > before.hits   # the second contrast drew nothing
+    assert resample_counts.cache_info().hits > before.hits  # the second contrast drew nothing
     diff = a["value"] - b["value"].reindex(a.index)
     fresh = _combine(_fresh_column_means(diff, N_BOOTSTRAP, BOOTSTRAP_SEED), SPEC)
-    tail = 100 * (1 - 0.95) / 2   # 2.500000000000002, as the intervals compute it
+    tail = 100 * (1 - 0.95) / 2  # 2.500000000000002, as the intervals compute it
     for name, interval in shared.items():
         assert interval.low == np.percentile(fresh[name], tail)
         assert interval.high == np.percentile(fresh[name], 100 - tail)
@@ -199,4 +246,5 @@ def test_shared_resamples_give_the_intervals_of_fresh_draws_to_the_last_digit(mm
     own = bootstrap_scores(a, SPEC)
     fresh = _combine(_fresh_column_means(a["value"], N_BOOTSTRAP, BOOTSTRAP_SEED), SPEC)
     assert {k: (v.low, v.high) for k, v in own.items()} == {
-        k: (np.percentile(r, tail), np.percentile(r, 100 - tail)) for k, r in fresh.items()}
+        k: (np.percentile(r, tail), np.percentile(r, 100 - tail)) for k, r in fresh.items()
+    }

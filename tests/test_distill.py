@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import tiny_causal_lm
+
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.train.distill import capture_attention_io, distill_attention_layers
 
@@ -40,9 +40,11 @@ def test_captured_targets_are_the_teachers_block_outputs():
     assert len(layers) == 2
     io = layers[1]
     with torch.no_grad():
-        out, _ = teacher.model.layers[1].self_attn(hidden_states=io["hidden_states"],
-                                                   position_embeddings=io["position_embeddings"],
-                                                   attention_mask=io["attention_mask"])
+        out, _ = teacher.model.layers[1].self_attn(
+            hidden_states=io["hidden_states"],
+            position_embeddings=io["position_embeddings"],
+            attention_mask=io["attention_mask"],
+        )
     assert torch.allclose(out, io["target"])
 
 

@@ -13,21 +13,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny model on a slice of the offline corpus, fp32 so that the two launches can be compared closely
-COMMON = ["model=tiny_random", "train=smoke", "train.precision=fp32", "train.tokens=4096", "train.checkpoint_every=2",
-          "eval=none", "logger=none", "data.max_documents=24", "calibration.num_sequences=4", "calibration.seq_len=32",
-          "calibration.batch_size=2", "kv_measure_tokens=64", "rope=2-norm", "rope.r=2", "svd.d_kv=8",
-          ]
+COMMON = [
+    "model=tiny_random",
+    "train=smoke",
+    "train.precision=fp32",
+    "train.tokens=4096",
+    "train.checkpoint_every=2",
+    "eval=none",
+    "logger=none",
+    "data.max_documents=24",
+    "calibration.num_sequences=4",
+    "calibration.seq_len=32",
+    "calibration.batch_size=2",
+    "kv_measure_tokens=64",
+    "rope=2-norm",
+    "rope.r=2",
+    "svd.d_kv=8",
+]
 
 
 def launch(results_dir: Path, processes: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     if processes == 1:
         cmd = [sys.executable, "-m", "mha2mla_exp"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", "mha2mla_exp"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={processes}",
+            "-m",
+            "mha2mla_exp",
+        ]
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([*cmd, *COMMON, *extra, f"results_dir={results_dir}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [*cmd, *COMMON, *extra, f"results_dir={results_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def only_record(results_dir: Path) -> tuple[dict, list[dict]]:
@@ -82,9 +108,23 @@ def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_pa
     # submitit's local executor runs the SLURM launcher's code: one cell, tasks_per_node=2, each task a rank
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "mha2mla_exp", "-m", *COMMON, "train.micro_batch_size=4", "train.grad_accum=1",
-         f"results_dir={tmp_path}", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "mha2mla_exp",
+            "-m",
+            *COMMON,
+            "train.micro_batch_size=4",
+            "train.grad_accum=1",
+            f"results_dir={tmp_path}",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.tasks_per_node=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (single, single_curve), (record, curve) = one_process, only_record(tmp_path)
@@ -98,10 +138,28 @@ def test_a_sweep_under_torchrun_outlasts_an_evaluation_longer_than_the_collectiv
     # must wait for it at the end of the cell, not in the next cell's first collective
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MHA2MLA_SLOW_EVAL_S="40")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mha2mla_exp",
-         "-m", *COMMON, "train.tokens=1024", "train.micro_batch_size=4", "train.grad_accum=1",
-         "distributed.timeout_s=15", "seed=0,1", f"results_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "mha2mla_exp",
+            "-m",
+            *COMMON,
+            "train.tokens=1024",
+            "train.micro_batch_size=4",
+            "train.grad_accum=1",
+            "distributed.timeout_s=15",
+            "seed=0,1",
+            f"results_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in (tmp_path / "default").glob("*/results.json")]
@@ -118,10 +176,18 @@ def test_processes_that_would_time_bf16_differently_train_in_the_main_ones_preci
         "import os\n"
         "from mha2mla_exp.train import precision\n"
         "speed = 4.6 if os.environ.get('RANK', '0') == '0' else 0.5\n"
-        "precision.cpu_bf16_speedup = lambda *a: (speed, f'faked on rank {os.environ.get(\"RANK\")}')\n")
+        "precision.cpu_bf16_speedup = lambda *a: (speed, f'faked on rank {os.environ.get(\"RANK\")}')\n"
+    )
     env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = launch(tmp_path / "runs", 2, "train.precision=auto", "train.tokens=1024", "train.micro_batch_size=4",
-                    "train.grad_accum=1", env=env)
+    result = launch(
+        tmp_path / "runs",
+        2,
+        "train.precision=auto",
+        "train.tokens=1024",
+        "train.micro_batch_size=4",
+        "train.grad_accum=1",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [path] = list((tmp_path / "runs" / "default").glob("*/results.json"))
     record = json.loads(path.read_text())
@@ -130,13 +196,22 @@ def test_processes_that_would_time_bf16_differently_train_in_the_main_ones_preci
     assert "faked on rank 0" in record["train"]["precision"]["reason"]
     assert "measured by the main process" in record["train"]["precision"]["reason"]
     # both ranks computed in bf16: the losses are one process's in bf16-autocast (a rank left in fp32 moves them)
-    reference = launch(tmp_path / "one", 1, "train.precision=bf16-autocast", "train.tokens=1024",
-                       "train.micro_batch_size=4", "train.grad_accum=2")
+    reference = launch(
+        tmp_path / "one",
+        1,
+        "train.precision=bf16-autocast",
+        "train.tokens=1024",
+        "train.micro_batch_size=4",
+        "train.grad_accum=2",
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     [one] = list((tmp_path / "one" / "default").glob("*/metrics.jsonl"))
     expected = {r["step"]: r["loss"] for r in map(json.loads, one.read_text().splitlines()) if "loss" in r}
-    got = {r["step"]: r["loss"] for r in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
-           if "loss" in r}
+    got = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     assert sorted(got) == sorted(expected)
     # step 1 starts from the same weights: only the precision can move it (fp32 against bf16 is ~2e-5 here)
     assert got[1] == pytest.approx(expected[1], abs=2e-6)
@@ -170,7 +245,7 @@ def test_fsdp_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_pa
     assert killed.returncode != 0
     resumed = launch(tmp_path, 2, *fsdp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (single, single_curve), (record, curve) = one_process, only_record(tmp_path)
+    (_, single_curve), (record, curve) = one_process, only_record(tmp_path)
     assert record["train"]["resumed_from_step"] == 6
     losses = {row["step"]: row["loss"] for row in single_curve if "loss" in row}
     for row in curve[1:]:
@@ -183,12 +258,20 @@ def test_a_stream_read_by_the_main_process_alone_gives_two_processes_the_one_pro
     rng = random.Random(0)
     words = ["union", "state", "congress", "nation", "peace", "law", "trade", "people", "year", "the", "of"]
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))})
-                              + "\n" for _ in range(600)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))}) + "\n"
+            for _ in range(600)
+        )
+    )
     mixture = f'[{{name: toy, path: json, data_files: "{corpus}", weight: 1.0, text_field: text}}]'
     streamed = [o for o in COMMON if not o.startswith("data.max_documents")] + [
-        "data=smollm_corpus", f"data.mixture={mixture}", "data.held_out_documents=40", "data.seq_len=32",
-        "data.shuffle_rows=16"]
+        "data=smollm_corpus",
+        f"data.mixture={mixture}",
+        "data.held_out_documents=40",
+        "data.seq_len=32",
+        "data.shuffle_rows=16",
+    ]
 
     site = tmp_path / "site"  # rank 1 may not read the training stream at all: its rows come from rank 0
     site.mkdir()
@@ -198,16 +281,38 @@ def test_a_stream_read_by_the_main_process_alone_gives_two_processes_the_one_pro
         "    from mha2mla_exp.data import stream\n"
         "    def refuse(self, *a):\n"
         "        raise AssertionError('rank 1 read the training stream')\n"
-        "    stream.TrainStream.step_rows = refuse\n")
+        "    stream.TrainStream.step_rows = refuse\n"
+    )
 
     def curve_of(out, processes, accumulation):
-        cmd = [sys.executable, "-m", "mha2mla_exp"] if processes == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-            "-m", "mha2mla_exp"]
-        env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        result = subprocess.run([*cmd, *streamed, "train.micro_batch_size=4", f"train.grad_accum={accumulation}",
-                                 f"results_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        cmd = (
+            [sys.executable, "-m", "mha2mla_exp"]
+            if processes == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={processes}",
+                "-m",
+                "mha2mla_exp",
+            ]
+        )
+        env = dict(
+            os.environ,
+            WANDB_MODE="disabled",
+            HF_HUB_OFFLINE="1",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
+        result = subprocess.run(
+            [*cmd, *streamed, "train.micro_batch_size=4", f"train.grad_accum={accumulation}", f"results_dir={out}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         record, metrics = only_record(out)
         assert record["data"]["streamed"] is True

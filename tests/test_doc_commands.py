@@ -53,8 +53,11 @@ from test_configs import offline_longbench, options
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-COMMAND_DOCS = [Path(p) for p in os.environ["MHA2MLA_DOC_FILES"].split(os.pathsep)] \
-    if os.environ.get("MHA2MLA_DOC_FILES") else [ROOT / "README.md", ROOT / "results" / "REPORT.md"]
+COMMAND_DOCS = (
+    [Path(p) for p in os.environ["MHA2MLA_DOC_FILES"].split(os.pathsep)]
+    if os.environ.get("MHA2MLA_DOC_FILES")
+    else [ROOT / "README.md", ROOT / "results" / "REPORT.md"]
+)
 KEY_DOCS = [*COMMAND_DOCS, *sorted((ROOT / "docs").glob("*.md"))]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,8 +65,10 @@ KEY_DOCS = [*COMMAND_DOCS, *sorted((ROOT / "docs").glob("*.md"))]
 
 SHELL_FENCES = {"", "bash", "sh", "shell", "console", "zsh"}
 BLOCK_WORDS = {"python", "python3", "pip", "pip3", "torchrun", ".", "source", "bash"}  # a code-block line's first word
-INLINE_COMMAND = re.compile(r"^(python3? -m (mha2mla_exp|pytest)\b|python3? scripts/|(\./)?(sweeps|scripts)/\S+\.sh\b|"
-                            r"torchrun\s)")
+INLINE_COMMAND = re.compile(
+    r"^(python3? -m (mha2mla_exp|pytest)\b|python3? scripts/|(\./)?(sweeps|scripts)/\S+\.sh\b|"
+    r"torchrun\s)"
+)
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$")  # DIR, K, N: stand-ins the reader replaces
 
 
@@ -162,10 +167,15 @@ def documented_overrides() -> list[tuple[str, str, tuple[str, ...]]]:
         text = path.read_text()
         block, prose = code_blocks(text)
         # a whole command is checked as a whole (test_documented_command); here the keys written on their own
-        pieces = [(n, line) for n, line, lang in block
-                  if (lang in SHELL_FENCES or lang == "indented") and not _is_block_command(line.strip())]
-        spans = [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
-                 for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose)]
+        pieces = [
+            (n, line)
+            for n, line, lang in block
+            if (lang in SHELL_FENCES or lang == "indented") and not _is_block_command(line.strip())
+        ]
+        spans = [
+            (prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose)
+        ]
         pieces += [(n, span) for n, span in spans if not INLINE_COMMAND.match(span)]
         for number, piece in pieces:
             alternatives = re.fullmatch(r"([a-z_][a-z0-9_.]*\.[A-Za-z0-9_]+)=(\S+(?: \| \S+)+)", piece.strip())
@@ -247,8 +257,15 @@ class Checker:
         from transformers import LlamaConfig
 
         folder = self.tmp / "local_model"
-        LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256).save_pretrained(folder)
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ).save_pretrained(folder)
         return folder
 
     # -- one documented line: `a && b && c`
@@ -306,7 +323,7 @@ class Checker:
                     raise CommandFailed(f"{override}: {group} is not a config group")
                 done = []
                 for option in options(group):
-                    chosen = overrides[:i] + [f"{key}={option}"] + overrides[i + 1:]
+                    chosen = overrides[:i] + [f"{key}={option}"] + overrides[i + 1 :]
                     done += self.hydra_app(["-m"] * multirun + chosen, world)
                 return [f"{value} = each of {len(options(group))} {group} options: " + "; ".join(done)]
         try:  # the sweep's own values (`rope=a,b`) are expanded below; the experiment's choices compose first
@@ -346,8 +363,9 @@ class Checker:
         if not cfg.hydra.sweeper._target_.endswith(("BasicSweeper", "RowsSweeper")):
             raise CommandFailed(f"sweeper {cfg.hydra.sweeper._target_} is not expanded by this test")
         sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
-        rows = grid(sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"),
-                    sweeper.get("only"))
+        rows = grid(
+            sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"), sweeper.get("only")
+        )
         with hydra_conf():
             parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
             return jobs(rows, list(overrides), parser)
@@ -439,9 +457,9 @@ class Checker:
             elif arg not in ("--standalone",) and not arg.startswith(("--nnodes", "--rdzv", "--master")):
                 raise CommandFailed(f"torchrun option this test does not handle: {arg}")
             i += 1
-        if args[i:i + 2] != ["-m", "mha2mla_exp"]:
-            raise CommandFailed(f"torchrun runs {args[i:i + 2]}, not -m mha2mla_exp")
-        return self.hydra_app(args[i + 2:], world)
+        if args[i : i + 2] != ["-m", "mha2mla_exp"]:
+            raise CommandFailed(f"torchrun runs {args[i : i + 2]}, not -m mha2mla_exp")
+        return self.hydra_app(args[i + 2 :], world)
 
     # -- other entry points
     def module_help(self, module: str, args: list[str]) -> list[str]:
@@ -469,15 +487,21 @@ class Checker:
         return done
 
     def script_help(self, script: str, args: list[str]) -> list[str]:
-        run = subprocess.run([sys.executable, script, *args, "--help"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
+        run = subprocess.run(
+            [sys.executable, script, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         if run.returncode:
             raise CommandFailed(f"{script} {args} --help: exit {run.returncode}\n{run.stderr[-2000:]}")
         return [f"{script} --help"]
 
     def pytest_collect(self, args: list[str]) -> list[str]:
-        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if run.returncode:
             raise CommandFailed(f"pytest {args} --collect-only: exit {run.returncode}\n{run.stdout[-3000:]}")
         return [run.stdout.strip().splitlines()[-1]]
@@ -527,9 +551,11 @@ class Checker:
         stubs.mkdir(exist_ok=True)
         for name in ("python", "python3", "torchrun"):
             stub = stubs / name
-            stub.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                            "with open(os.environ['DOC_COMMAND_LOG'], 'a') as f:\n"
-                            "    f.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + '\\n')\n")
+            stub.write_text(
+                f"#!{sys.executable}\nimport json, os, sys\n"
+                "with open(os.environ['DOC_COMMAND_LOG'], 'a') as f:\n"
+                "    f.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + '\\n')\n"
+            )
             stub.chmod(0o755)
         log.unlink(missing_ok=True)
         env = os.environ | {"PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "DOC_COMMAND_LOG": str(log)}
@@ -671,17 +697,20 @@ def test_commands_are_read_from_blocks_and_inline_spans():
     ]
 
 
-@pytest.mark.parametrize("broken", [
-    "python -m mha2mla_exp eval=quick eval.no_such_key=1",                        # not in struct
-    "python -m mha2mla_exp rope.r=40",                                            # refused by validation
-    "python -m mha2mla_exp -m rope=high,no_such_strategy",                        # one bad cell of a sweep
-    "python -m mha2mla_exp train.tokens=30000000",                                # 30M tokens on 2.2M of SOTU
-    "torchrun --nproc_per_node 8 -m mha2mla_exp train=paper data=smollm_corpus",  # 8 x 16 rows != the paper's 64
-    "python -m mha2mla_exp.no_such_module",
-    "sweeps/cpu_reproduction.sh no_such_experiment",                              # runs nothing
-    "pip install torch==0.0.1",
-    "python3 -m venv .venv && . other/bin/activate",
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "python -m mha2mla_exp eval=quick eval.no_such_key=1",  # not in struct
+        "python -m mha2mla_exp rope.r=40",  # refused by validation
+        "python -m mha2mla_exp -m rope=high,no_such_strategy",  # one bad cell of a sweep
+        "python -m mha2mla_exp train.tokens=30000000",  # 30M tokens on 2.2M of SOTU
+        "torchrun --nproc_per_node 8 -m mha2mla_exp train=paper data=smollm_corpus",  # 8 x 16 rows != the paper's 64
+        "python -m mha2mla_exp.no_such_module",
+        "sweeps/cpu_reproduction.sh no_such_experiment",  # runs nothing
+        "pip install torch==0.0.1",
+        "python3 -m venv .venv && . other/bin/activate",
+    ],
+)
 def test_a_broken_command_fails_the_check(broken, checker):
     with pytest.raises(CommandFailed):
         checker.check(broken)

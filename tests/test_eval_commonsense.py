@@ -43,8 +43,9 @@ def data_root(tmp_path_factory):
 
 def test_matches_lm_eval_command_line(tiny, data_root, tmp_path):
     model, tokenizer = tiny
-    cfg = CommonsenseConfig(limit=20, sample="random", seed=7, data_root=str(data_root), mmlu_subjects=SUBJECTS,
-                            batch_size=4)
+    cfg = CommonsenseConfig(
+        limit=20, sample="random", seed=7, data_root=str(data_root), mmlu_subjects=SUBJECTS, batch_size=4
+    )
     ours, meta, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=4), cfg)
     assert meta["n_docs"] == {"mmlu": 40, **{c: 20 for c in COLUMNS}}
 
@@ -54,11 +55,35 @@ def test_matches_lm_eval_command_line(tiny, data_root, tmp_path):
     leaves = [n for c in cfg.tasks for n in task_names(c, True, SUBJECTS)]
     samples = {n: sample_indices(24, 20, "random", 7) for n in leaves}
     tasks = [n for n in leaves if "mmlu" not in n] + ["offline_mmlu_continuation"]  # lm-eval's group for MMLU
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf",
-           "--model_args", f"pretrained={folder},dtype=float32", "--device", "cpu", "--tasks", *tasks,
-           "--include_path", meta["task_dir"], "--samples", json.dumps(samples), "--batch_size", "4",
-           "--output_path", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},dtype=float32",
+        "--device",
+        "cpu",
+        "--tasks",
+        *tasks,
+        "--include_path",
+        meta["task_dir"],
+        "--samples",
+        json.dumps(samples),
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.load(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)[0]))["results"]
 
@@ -91,7 +116,14 @@ def test_aggregation_is_the_papers():
     cfg = CommonsenseConfig(mmlu_subjects=SUBJECTS)
     names = {c: task_names(c, True, SUBJECTS) for c in cfg.tasks}
     metrics = {names["mmlu"][0]: {"acc_norm": 0.5, "acc": 0.0}, names["mmlu"][1]: {"acc_norm": 0.2, "acc": 0.0}}
-    values = {"arc_easy": 0.6, "arc_challenge": 0.3, "piqa": 0.7, "hellaswag": 0.4, "openbookqa": 0.3, "winogrande": 0.55}
+    values = {
+        "arc_easy": 0.6,
+        "arc_challenge": 0.3,
+        "piqa": 0.7,
+        "hellaswag": 0.4,
+        "openbookqa": 0.3,
+        "winogrande": 0.55,
+    }
     for col, v in values.items():
         metrics[names[col][0]] = {"acc_norm": v, "acc": v - 0.1}
     n_docs = {names["mmlu"][0]: 30, names["mmlu"][1]: 10} | {names[c][0]: 100 for c in values}
@@ -119,20 +151,24 @@ def test_mla_model_runs_through_hflm(tiny, data_root):
     exact = convert_to_mla(model, rope="full", svd="none")  # an exact re-parametrisation
     same, _, _ = evaluate_commonsense(EvalLM(exact, tokenizer, batch_size=4), cfg)
     assert same == original
-    lossy, _, _ = evaluate_commonsense(EvalLM(convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4), tokenizer,
-                                           batch_size=4), cfg)
+    lossy, _, _ = evaluate_commonsense(
+        EvalLM(convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4), tokenizer, batch_size=4), cfg
+    )
     assert all(0.0 <= lossy[k] <= 1.0 for k in ("piqa", "hellaswag"))
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"commonsense": {"enabled": True, "tasks": ["mmlu", "boolq"]}}, "boolq"),
-    ({"commonsense": {"enabled": True, "limit": 0}}, "limit"),
-    ({"commonsense": {"enabled": True, "sample": "shuffled"}}, "sample"),
-    ({"commonsense": {"enabled": True, "limt": 5}}, "limt"),
-    ({"commonsense": {"enabled": True, "mmlu_subjects": ["astrology"]}}, "astrology"),
-    ({"perplexity": {"enabled": True, "batches": 3}}, "batches"),
-    ({"ruler": {"enabled": True}}, "ruler"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"commonsense": {"enabled": True, "tasks": ["mmlu", "boolq"]}}, "boolq"),
+        ({"commonsense": {"enabled": True, "limit": 0}}, "limit"),
+        ({"commonsense": {"enabled": True, "sample": "shuffled"}}, "sample"),
+        ({"commonsense": {"enabled": True, "limt": 5}}, "limt"),
+        ({"commonsense": {"enabled": True, "mmlu_subjects": ["astrology"]}}, "astrology"),
+        ({"perplexity": {"enabled": True, "batches": 3}}, "batches"),
+        ({"ruler": {"enabled": True}}, "ruler"),
+    ],
+)
 def test_bad_config_fails_before_any_work(bad, match):
     with pytest.raises(ValueError, match=match):  # the schema's types and ranges, then the suite's own checks
         check_eval_config(typed_section(EvalConfig, bad, "eval"))
@@ -152,7 +188,8 @@ def test_smollm2_arc_challenge_matches_an_independent_lm_eval_run():
     from mha2mla_exp.models import load_model
 
     model, tokenizer = load_model(ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m", dtype="float32"))
-    scores, meta, _ = evaluate_commonsense(EvalLM(model, tokenizer, batch_size=16),
-                                        CommonsenseConfig(tasks=("arc_challenge",)))
+    scores, meta, _ = evaluate_commonsense(
+        EvalLM(model, tokenizer, batch_size=16), CommonsenseConfig(tasks=("arc_challenge",))
+    )
     assert meta["n_docs"]["arc_challenge"] == 299
     assert scores["arc_challenge"] == pytest.approx(0.314, abs=5e-4)

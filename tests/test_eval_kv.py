@@ -14,13 +14,22 @@ from mha2mla_exp.models import build_random_model
 from mha2mla_exp.schema.sections import EvalConfig, KVQuantConfig, ModelConfig, PerplexityConfig, ShapeConfig
 
 # n_kv * d_h = 64: transformers' quanto KV layers need the flattened head dims to fill whole groups of 64
-TINY = ModelConfig(name="tiny-random", source="random", vocab_size=320, intermediate_size=128, seed=0,
-                   shape=ShapeConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                                     rope_base=10000, context_length=512))
+TINY = ModelConfig(
+    name="tiny-random",
+    source="random",
+    vocab_size=320,
+    intermediate_size=128,
+    seed=0,
+    shape=ShapeConfig(
+        num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, rope_base=10000, context_length=512
+    ),
+)
 QUANTS = [{"backend": b, "nbits": n, "residual_length": 128} for b in ("hqq", "quanto") for n in (4, 2)]
-CACHE_LABEL = {("mla", "tokens"): "quantized latent, groups of 64 tokens per channel",
-               ("original", "tokens"): "quantized K/V, groups of 64 tokens per channel",
-               ("original", "transformers"): "transformers QuantizedCache"}
+CACHE_LABEL = {
+    ("mla", "tokens"): "quantized latent, groups of 64 tokens per channel",
+    ("original", "tokens"): "quantized K/V, groups of 64 tokens per channel",
+    ("original", "transformers"): "transformers QuantizedCache",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +46,22 @@ def models():
 @pytest.fixture(scope="module")
 def eval_cfg(tmp_path_factory):
     files = [str(p) for p in text_files(tmp_path_factory.mktemp("texts"), n_docs=3, sentences=60)]
-    return typed_section(EvalConfig, {
-        "perplexity": {"enabled": True, "batch_size": 2},
-        "long_context": {"enabled": True, "lengths": [480], "depths": [0.5], "samples_per_depth": 2, "ppl_lengths": [],
-                         "texts": files, "batch_size": 2}}, "eval")
+    return typed_section(
+        EvalConfig,
+        {
+            "perplexity": {"enabled": True, "batch_size": 2},
+            "long_context": {
+                "enabled": True,
+                "lengths": [480],
+                "depths": [0.5],
+                "samples_per_depth": 2,
+                "ppl_lengths": [],
+                "texts": files,
+                "batch_size": 2,
+            },
+        },
+        "eval",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -77,8 +98,12 @@ def test_quantized_generation_records_measured_bytes(models, eval_cfg, unquantiz
 def test_int2_holds_fewer_bytes_than_int4(models, eval_cfg):
     by_kind, tokenizer = models
     for model in by_kind.values():
-        four, two = (run_evaluation(model, tokenizer, eval_cfg, kv_quant=KVQuant(backend="hqq", nbits=n), window=512)
-                     ["kv_cache"]["bytes_per_token_measured"] for n in (4, 2))
+        four, two = (
+            run_evaluation(model, tokenizer, eval_cfg, kv_quant=KVQuant(backend="hqq", nbits=n), window=512)[
+                "kv_cache"
+            ]["bytes_per_token_measured"]
+            for n in (4, 2)
+        )
         assert two < four
 
 
@@ -90,14 +115,17 @@ def test_unquantized_caches_and_nominal_ratios(models, unquantized):
     assert mla["ratio_nominal"] == pytest.approx(0.25)
     assert nominal_ratio(by_kind["mla"], KVQuant(nbits=4)) == pytest.approx(0.25 * 4 / 32)  # fp32 model
     assert nominal_ratio(by_kind["original"], KVQuant(nbits=2)) == pytest.approx(2 / 32)
-    assert nominal_ratio(by_kind["original"], KVQuant(nbits=4), baseline_bits=16) == pytest.approx(0.25)  # the paper's -75%
+    assert nominal_ratio(by_kind["original"], KVQuant(nbits=4), baseline_bits=16) == pytest.approx(
+        0.25
+    )  # the paper's -75%
     assert unquantized["mla"]["perplexity"]["heldout"] > 1
 
 
 def test_no_generation_task_means_no_cache_measurement(models):
     by_kind, tokenizer = models
-    out = run_evaluation(by_kind["mla"], tokenizer, EvalConfig(perplexity=PerplexityConfig(enabled=False)),
-                         kv_quant=KVQuant(**QUANTS[0]))
+    out = run_evaluation(
+        by_kind["mla"], tokenizer, EvalConfig(perplexity=PerplexityConfig(enabled=False)), kv_quant=KVQuant(**QUANTS[0])
+    )
     assert "bytes_per_token_measured" not in out["kv_cache"] and "no KV cache" in out["kv_cache"]["note"]
 
 

@@ -8,10 +8,18 @@ import torch
 
 from mha2mla_exp.evaluation.fixtures import text_files
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.evaluation.long_context import (NEEDLE, PREFIX, QUESTION, evaluate_long_context, load_texts,
-                                                 passkey_docs, ppl_docs)
+from mha2mla_exp.evaluation.long_context import (
+    NEEDLE,
+    PREFIX,
+    QUESTION,
+    evaluate_long_context,
+    load_texts,
+    passkey_docs,
+    ppl_docs,
+)
 from mha2mla_exp.evaluation.perplexity import perplexity
 from mha2mla_exp.schema.sections import LongContextConfig, ModelConfig
+
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
@@ -36,10 +44,11 @@ def test_passkey_docs_are_deterministic_and_hold_the_answer(tiny, texts):
         n = len(tokenizer(d["input"]).input_ids)
         assert n == d["n_tokens"] and 480 - cfg.max_gen_toks - 40 <= n <= 480 - cfg.max_gen_toks
     first, last = docs[0], docs[-1]  # depth 0: right after the instruction; depth 1: right before the question
-    assert first["input"][len(PREFIX):].startswith(NEEDLE.format(key=first["answer"]))
+    assert first["input"][len(PREFIX) :].startswith(NEEDLE.format(key=first["answer"]))
     assert last["input"][: -len(QUESTION)].endswith(NEEDLE.format(key=last["answer"]))
-    other = passkey_docs(tokenizer, texts, 480, LongContextConfig(lengths=(480,), depths=(0.0,), seed=7,
-                                                                  ppl_lengths=()))
+    other = passkey_docs(
+        tokenizer, texts, 480, LongContextConfig(lengths=(480,), depths=(0.0,), seed=7, ppl_lengths=())
+    )
     assert other[0]["answer"] != first["answer"]
 
 
@@ -86,10 +95,12 @@ def test_perplexity_matches_the_model_loss_and_skips_padding(tiny):
     padded = torch.cat([short, torch.zeros(15, dtype=torch.long)]).unsqueeze(0)
     mask = torch.cat([torch.ones(25), torch.zeros(15)]).long().unsqueeze(0)
     assert perplexity(model, [{"input_ids": padded, "attention_mask": mask}]) == pytest.approx(
-        perplexity(model, [short.unsqueeze(0)]), rel=1e-5)
+        perplexity(model, [short.unsqueeze(0)]), rel=1e-5
+    )
     rows = []
     assert perplexity(model, [{"input_ids": padded, "attention_mask": mask}, ids], rows=rows) == pytest.approx(
-        math.exp(sum(nll for nll, _ in rows) / sum(n for _, n in rows)), rel=1e-6)   # the rows make the whole
+        math.exp(sum(nll for nll, _ in rows) / sum(n for _, n in rows)), rel=1e-6
+    )  # the rows make the whole
     assert [n for _, n in rows] == [24, 39, 39]
     assert rows[0][0] / 24 == pytest.approx(math.log(perplexity(model, [short.unsqueeze(0)])), rel=1e-5)
     with pytest.raises(ValueError):
@@ -121,9 +132,19 @@ def test_lengths_beyond_the_evaluation_window_are_refused_before_the_fine_tune()
 
     def plan(*overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return validate(compose(config_name="config", overrides=[
-                "model=tiny_random", "rope.r=2", "svd.d_kv=8", "eval=long_context", "model.finetune_length=512",
-                *overrides]))
+            return validate(
+                compose(
+                    config_name="config",
+                    overrides=[
+                        "model=tiny_random",
+                        "rope.r=2",
+                        "svd.d_kv=8",
+                        "eval=long_context",
+                        "model.finetune_length=512",
+                        *overrides,
+                    ],
+                )
+            )
 
     with pytest.raises(ConfigError, match=r"eval\.long_context: its longest sequence \(1024 tokens.*window of 512"):
         plan("eval.long_context.lengths=[512,1024]", "eval.long_context.ppl_lengths=[]")

@@ -5,9 +5,9 @@ import pytest
 import torch
 from lm_eval.api.model import LM
 
+from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.fixtures import longbench_dir
 from mha2mla_exp.evaluation.lm import EvalLM
-from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.longbench import SUBSETS, evaluate_longbench
 from mha2mla_exp.evaluation.run import check_eval_config
 from mha2mla_exp.schema.sections import EvalConfig, LongBenchConfig
@@ -26,18 +26,37 @@ CASES = {
     ],
     "passage_retrieval_en": [
         ({"input": "Q-ret-1 abstract", "context": "...", "answers": ["Paragraph 7"]}, "Paragraph 7", 1.0),
-        ({"input": "Q-ret-2 abstract", "context": "...", "answers": ["Paragraph 12"]}, "Paragraph 2 or Paragraph 12", 0.5),
+        (
+            {"input": "Q-ret-2 abstract", "context": "...", "answers": ["Paragraph 12"]},
+            "Paragraph 2 or Paragraph 12",
+            0.5,
+        ),
     ],
     "trec": [  # LongBench keeps the first line after leading newlines (lm-eval alone would score "")
-        ({"input": "Q-trec-1 Where is Paris?", "context": "examples", "answers": ["Location"],
-          "all_classes": CLASSES}, "\nLocation\nNumber", 1.0),
-        ({"input": "Q-trec-2 How many?", "context": "examples", "answers": ["Number"],
-          "all_classes": CLASSES}, "Number or Location", 0.5),
+        (
+            {
+                "input": "Q-trec-1 Where is Paris?",
+                "context": "examples",
+                "answers": ["Location"],
+                "all_classes": CLASSES,
+            },
+            "\nLocation\nNumber",
+            1.0,
+        ),
+        (
+            {"input": "Q-trec-2 How many?", "context": "examples", "answers": ["Number"], "all_classes": CLASSES},
+            "Number or Location",
+            0.5,
+        ),
     ],
     # ROUGE-L F of the `rouge` package LongBench uses: LCS "cat on mat", 3 of 4 tokens both ways,
     # F = 2PR / (P + R + 1e-8)
     "gov_report": [
-        ({"context": "R-gov-1 report", "answers": ["cat lay on mat"]}, "cat sat on mat", 2 * 0.75 * 0.75 / (1.5 + 1e-8)),
+        (
+            {"context": "R-gov-1 report", "answers": ["cat lay on mat"]},
+            "cat sat on mat",
+            2 * 0.75 * 0.75 / (1.5 + 1e-8),
+        ),
         ({"context": "R-gov-2 report", "answers": ["something"]}, "   ", 0.0),  # empty summary
     ],
     "lcc": [  # first non-empty line without comment marks, fuzz.ratio: 2*13/28 -> 93 -> 0.93
@@ -105,8 +124,9 @@ def test_scores_match_hand_computed_values(data_dir):
 
 def test_lm_eval_postprocessing_differs_where_longbench_does(data_dir):
     lm = CannedLM({"Q-trec-1": "\nLocation\nNumber", "Q-trec-2": "Number or Location"})
-    scores, _, _ = evaluate_longbench(lm, LongBenchConfig(subsets=("trec",), data_dir=str(data_dir),
-                                                       official_postprocess=False))
+    scores, _, _ = evaluate_longbench(
+        lm, LongBenchConfig(subsets=("trec",), data_dir=str(data_dir), official_postprocess=False)
+    )
     assert scores["trec"] == pytest.approx((0.5 + 0.5) / 2)  # "Location\nNumber" matches two classes
 
 
@@ -116,15 +136,20 @@ def test_tiny_model_end_to_end_with_middle_truncation(tmp_path):
 
     model, tokenizer = build_random_model(tiny_byte_lm())
     long = " ".join(f"sentence {i} of a long story." for i in range(100))
-    data = longbench_dir(tmp_path / "lb", {
-        "passage_count": [{"context": long, "answers": ["2"]}],
-        "hotpotqa": [{"input": "Who?", "context": long, "answers": ["nobody"]}],
-    })
+    data = longbench_dir(
+        tmp_path / "lb",
+        {
+            "passage_count": [{"context": long, "answers": ["2"]}],
+            "hotpotqa": [{"input": "Who?", "context": long, "answers": ["nobody"]}],
+        },
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         lm = EvalLM(model.eval(), tokenizer, window=256)
-        scores, meta, _ = evaluate_longbench(lm, LongBenchConfig(subsets=("passage_count", "hotpotqa"), data_dir=str(data)))
+        scores, meta, _ = evaluate_longbench(
+            lm, LongBenchConfig(subsets=("passage_count", "hotpotqa"), data_dir=str(data))
+        )
     finally:
         torch.set_num_threads(threads)
     assert meta["truncated_prompts"] == 2 and meta["window"] == 256

@@ -12,14 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TINY_BYTE_LM
 
 from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.placement import EvalPlacement
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.runner import stages
 from mha2mla_exp.schema.sections import EvalConfig
-
-from conftest import TINY_BYTE_LM
 
 
 def cuda_placement_on_cpu(suites_dtype="bfloat16") -> EvalPlacement:
@@ -64,9 +63,15 @@ def test_original_and_converted_reach_the_suites_with_the_same_fp32_rotary_phase
     assert exact and all(v.dtype == torch.float32 for v in exact.values())
     converted = convert_to_mla(original, rope="high", r=2, svd="joint", d_kv=16)
     texts = [str(p) for p in text_files(tmp_path / "texts", n_docs=2, sentences=40)]
-    eval_cfg = typed_section(EvalConfig, {"dtype": "bfloat16", "perplexity": {"enabled": False},
-                                          "long_context": {"enabled": True, "lengths": [], "ppl_lengths": [128],
-                                                           "ppl_docs": 1, "texts": texts}}, "eval")
+    eval_cfg = typed_section(
+        EvalConfig,
+        {
+            "dtype": "bfloat16",
+            "perplexity": {"enabled": False},
+            "long_context": {"enabled": True, "lengths": [], "ppl_lengths": [128], "ppl_docs": 1, "texts": texts},
+        },
+        "eval",
+    )
     for model in (original, converted):
         run_evaluation(model, tokenizer, eval_cfg, window=256, placement=cuda_placement_on_cpu())
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -114,9 +119,12 @@ def test_tf32_on_cuda_only_and_the_decision_recorded(monkeypatch):
     gpu = EvalPlacement.decide("cuda:1", suites_dtype="bfloat16")
     gpu.apply_matmul_precision()
     assert calls == ["high"]
-    assert gpu.to_record() == {"device": "cuda:1", "dtype": {"weights": "float32", "perplexity": "float32",
-                                                             "kv_measure": "float32", "suites": "bfloat16"},
-                               "rotary_inv_freq": "float32", "tf32": True}
+    assert gpu.to_record() == {
+        "device": "cuda:1",
+        "dtype": {"weights": "float32", "perplexity": "float32", "kv_measure": "float32", "suites": "bfloat16"},
+        "rotary_inv_freq": "float32",
+        "tf32": True,
+    }
     assert cpu.to_record()["tf32"] is False and cpu.to_record()["rotary_inv_freq"] == "cast with the weights"
 
 

@@ -9,26 +9,35 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_BYTE_LM
+from test_distributed import launch
 
 from mha2mla_exp.evaluation.fixtures import commonsense_tree, longbench_dir, text_files
 from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.long_context import evaluate_long_context
 from mha2mla_exp.evaluation.longbench import evaluate_longbench
-from mha2mla_exp.schema.sections import LongBenchConfig, LongContextConfig
 from mha2mla_exp.mla import convert_to_mla
-
-from conftest import TINY_BYTE_LM
-from test_distributed import launch
+from mha2mla_exp.schema.sections import LongBenchConfig, LongContextConfig
 
 # a converted tiny model, not fine-tuned (so both launches evaluate the same weights), on passkey generation and
 # long-document perplexity (generate_until and loglikelihood_rolling requests, 9 documents) and an offline
 # commonsense slice (multiple-choice loglikelihood, a seeded sample of documents per task)
-SUITE = ["train=none", "eval=long_context", "model.finetune_length=512", "eval.long_context.lengths=[400]",
-         "eval.long_context.depths=[0.0,0.5,1.0]", "eval.long_context.ppl_lengths=[256]",
-         "eval.long_context.ppl_docs=3", "eval.long_context.batch_size=2",
-         "eval.commonsense.enabled=true", "eval.commonsense.offline=true",  # declared by the schema: set, not `+`
-         "eval.commonsense.tasks=[arc_easy,piqa,mmlu]", "eval.commonsense.mmlu_subjects=[anatomy,astronomy]",
-         "eval.commonsense.limit=7", "eval.commonsense.batch_size=4"]
+SUITE = [
+    "train=none",
+    "eval=long_context",
+    "model.finetune_length=512",
+    "eval.long_context.lengths=[400]",
+    "eval.long_context.depths=[0.0,0.5,1.0]",
+    "eval.long_context.ppl_lengths=[256]",
+    "eval.long_context.ppl_docs=3",
+    "eval.long_context.batch_size=2",
+    "eval.commonsense.enabled=true",
+    "eval.commonsense.offline=true",  # declared by the schema: set, not `+`
+    "eval.commonsense.tasks=[arc_easy,piqa,mmlu]",
+    "eval.commonsense.mmlu_subjects=[anatomy,astronomy]",
+    "eval.commonsense.limit=7",
+    "eval.commonsense.batch_size=4",
+]
 
 
 def evaluated(results_dir):
@@ -108,10 +117,19 @@ def test_batched_longbench_equals_batch_one_with_prompts_cut_in_the_middle(model
     by_name, tokenizer = models
     filler = " ".join(f"Paragraph {i}: the {i}th record of the union." for i in range(40))  # ~1,800 bytes
     records = {
-        "passage_retrieval_en": [{"input": f"Q{i} which paragraph?", "context": filler[: 300 + 400 * i],
-                                  "answers": [f"Paragraph {i}"]} for i in range(4)],
-        "trec": [{"input": f"Q-trec-{i} Where?", "context": filler[: 200 + 500 * i], "answers": ["Location"],
-                  "all_classes": ["Location", "Number"]} for i in range(3)],
+        "passage_retrieval_en": [
+            {"input": f"Q{i} which paragraph?", "context": filler[: 300 + 400 * i], "answers": [f"Paragraph {i}"]}
+            for i in range(4)
+        ],
+        "trec": [
+            {
+                "input": f"Q-trec-{i} Where?",
+                "context": filler[: 200 + 500 * i],
+                "answers": ["Location"],
+                "all_classes": ["Location", "Number"],
+            }
+            for i in range(3)
+        ],
     }
     data = longbench_dir(tmp_path / "longbench", records)
     results = {}

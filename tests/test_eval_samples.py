@@ -31,16 +31,41 @@ def data_root(tmp_path_factory):
 
 
 def _eval_cfg(data_root, **top) -> EvalConfig:
-    return typed_section(EvalConfig, {
-        "perplexity": {"enabled": False}, **top,
-        "commonsense": {"enabled": True, "limit": 8, "mmlu_limit": 5, "seed": 3, "batch_size": 4,
-                        "data_root": str(data_root), "mmlu_subjects": list(SUBJECTS)}}, "eval")
+    return typed_section(
+        EvalConfig,
+        {
+            "perplexity": {"enabled": False},
+            **top,
+            "commonsense": {
+                "enabled": True,
+                "limit": 8,
+                "mmlu_limit": 5,
+                "seed": 3,
+                "batch_size": 4,
+                "data_root": str(data_root),
+                "mmlu_subjects": list(SUBJECTS),
+            },
+        },
+        "eval",
+    )
 
 
 def test_write_read_round_trip_is_exact_and_atomic(tmp_path):
-    rows = [{"suite": "commonsense", "column": "piqa", "task": "offline_piqa", "doc_id": 3, "doc_hash": "ab",
-             "target": 1, "acc": 1.0, "ll": [-1.25, -0.1 / 3], "pred": 1, "response": "naïve ✓"},
-            {"suite": "long_context", "column": "longdoc@256", "task": "t", "doc_id": 0, "ll": float("-inf")}]
+    rows = [
+        {
+            "suite": "commonsense",
+            "column": "piqa",
+            "task": "offline_piqa",
+            "doc_id": 3,
+            "doc_hash": "ab",
+            "target": 1,
+            "acc": 1.0,
+            "ll": [-1.25, -0.1 / 3],
+            "pred": 1,
+            "response": "naïve ✓",
+        },
+        {"suite": "long_context", "column": "longdoc@256", "task": "t", "doc_id": 0, "ll": float("-inf")},
+    ]
     path = write_samples(rows, tmp_path / "run" / "eval_samples.jsonl.gz")
     assert read_samples(path) == rows
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind

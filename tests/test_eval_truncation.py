@@ -6,6 +6,7 @@ from lm_eval.api.instance import Instance
 
 from mha2mla_exp.evaluation.lm import EvalLM, middle_truncate
 
+
 def test_middle_truncate_keeps_head_and_tail():
     ids = list(range(10))
     assert middle_truncate(ids, 5) == [0, 1, 2, 8, 9]  # head = 5 - 5 // 2, tail = 5 // 2 (as the MHA2MLA code)
@@ -62,8 +63,12 @@ def test_generate_until_sees_window_minus_generation(tiny, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
-    req = Instance(request_type="generate_until", doc={}, idx=0,
-                   arguments=(_prompt(), {"until": ["\n"], "max_gen_toks": 16, "do_sample": False}))
+    req = Instance(
+        request_type="generate_until",
+        doc={},
+        idx=0,
+        arguments=(_prompt(), {"until": ["\n"], "max_gen_toks": 16, "do_sample": False}),
+    )
     out = lm.generate_until([req])
     full = tokenizer(_prompt()).input_ids
     assert len(out) == 1 and lm.truncated_prompts == 1

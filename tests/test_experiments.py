@@ -58,8 +58,11 @@ def test_each_budget_names_itself_and_sets_what_a_budget_sets(conf):
     assert (cpu.train.tokens, cpu10x.train.tokens) == (16384, 10 * 16384)
     assert cpu.eval.name == cpu10x.eval.name == "none" and cpu10x.train.eval_every == 20
     paper = compose(config_name="config", overrides=["+budget=paper", "model=smollm_135m"])
-    assert (paper.data.name, paper.eval.name, paper.calibration.num_sequences) == ("smollm-corpus", "commonsense_full",
-                                                                                   1024)
+    assert (paper.data.name, paper.eval.name, paper.calibration.num_sequences) == (
+        "smollm-corpus",
+        "commonsense_full",
+        1024,
+    )
     assert compose(config_name="config", overrides=["+budget=gpu_short"]).train.tokens == 3145728
 
 
@@ -68,15 +71,19 @@ def test_a_study_at_a_budget_runs_under_its_recorded_name(conf):
     assert CATALOGUE["table3", "cpu10x"] == "cpu10x_table3" and CATALOGUE["table3", "main"] == "partial_rope_ablation"
     assert CATALOGUE["table1", "cpu"] == "cpu_table1" and CATALOGUE["table5", "paper"] == "paper_table5"
     assert CATALOGUE["cpu10x_seed1", None] == "cpu10x_seed1"
-    seed1 = {tuple(sorted(o for o in job if not o.startswith("+experiment"))) for _, job in
-             expand(launch("cpu10x_seed1"))}
-    table3 = {tuple(sorted(o for o in job if not o.startswith(("+experiment", "budget")))) for _, job in
-              expand(launch("table3", "cpu10x"))}
+    seed1 = {
+        tuple(sorted(o for o in job if not o.startswith("+experiment"))) for _, job in expand(launch("cpu10x_seed1"))
+    }
+    table3 = {
+        tuple(sorted(o for o in job if not o.startswith(("+experiment", "budget"))))
+        for _, job in expand(launch("table3", "cpu10x"))
+    }
     assert len(seed1) == 8 and len(seed1 & table3) == 7  # table3's rows (and table5's 2-norm r = 8) with seed 1
     assert resolved(launch("cpu10x_seed1"))["seed"] == 1
 
 
 # ---- the sweeper's expansion
+
 
 def expanded(rows, arguments=(), params=None, **kw) -> list[list[str]]:
     return jobs(grid(params, rows, **kw), list(arguments), OverridesParser.create())
@@ -87,15 +94,19 @@ def test_rows_sweep_within_themselves_and_params_cross_every_row():
     assert expanded(rows, ["+experiment=x"], params={"seed": "0,1"}) == [
         ["variant=finetuned_full_attention", "seed=0", "+experiment=x"],
         ["variant=finetuned_full_attention", "seed=1", "+experiment=x"],
-        ["rope=high", "svd=none", "seed=0", "+experiment=x"], ["rope=high", "svd=none", "seed=1", "+experiment=x"],
-        ["rope=low", "svd=none", "seed=0", "+experiment=x"], ["rope=low", "svd=none", "seed=1", "+experiment=x"]]
+        ["rope=high", "svd=none", "seed=0", "+experiment=x"],
+        ["rope=high", "svd=none", "seed=1", "+experiment=x"],
+        ["rope=low", "svd=none", "seed=0", "+experiment=x"],
+        ["rope=low", "svd=none", "seed=1", "+experiment=x"],
+    ]
     assert expanded(None, ["a=1"], params={"b": "2,3"}) == [["b=2", "a=1"], ["b=3", "a=1"]]  # the basic sweeper's
 
 
 def test_the_command_line_replaces_a_rows_value_and_only_selects_rows():
     rows = {"ft": ["variant=finetuned_full_attention"], "partial": ["rope=high,low", "+svd.allocation=global"]}
     assert expanded(rows, ["rope=uniform", "svd.allocation=measured"], only=["partial"]) == [
-        ["rope=uniform", "svd.allocation=measured"]]
+        ["rope=uniform", "svd.allocation=measured"]
+    ]
     assert expanded(rows, only="ft") == [["variant=finetuned_full_attention"]]
     with pytest.raises(ValueError, match=r"no row \['nope'\]; the rows are \['ft', 'partial'\]"):
         expanded(rows, only=["nope"])
@@ -112,9 +123,22 @@ def test_a_budget_replaces_the_rows_and_adds_params():
 def test_a_launch_runs_its_rows_through_the_installed_sweeper(tmp_path):
     """From outside the repository: Hydra finds the sweeper in the installed `hydra_plugins` package."""
     out = subprocess.run(
-        [sys.executable, "-m", "mha2mla_exp", "+experiment=smoke", "hydra.sweeper.only=[original,partial_high]",
-         "rope.r=1", "dry_run=true", f"results_dir={tmp_path}", "logger=none"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mha2mla_exp",
+            "+experiment=smoke",
+            "hydra.sweeper.only=[original,partial_high]",
+            "rope.r=1",
+            "dry_run=true",
+            f"results_dir={tmp_path}",
+            "logger=none",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sweep of 2 cells" in out.stdout
     assert "variant=original +experiment=smoke rope.r=1" in out.stdout
@@ -130,26 +154,45 @@ def test_experiment_files_open_with_what_the_study_is():
 
 # ---- the committed records
 
+
 def committed_records() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "results/runs/**/results.json"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "results/runs/**/results.json"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [ROOT / p for p in listed]
 
 
 # run-time choices a record holds as they were resolved on its machine; the config says `auto` (or nothing)
-RESOLVED_AT_RUN = {"device": ("auto",), "train.precision": ("auto",), "eval.dtype": ("auto", "fastest"),
-                   "train.global_batch_rows": (None,)}
+RESOLVED_AT_RUN = {
+    "device": ("auto",),
+    "train.precision": ("auto",),
+    "eval.dtype": ("auto", "fastest"),
+    "train.global_batch_rows": (None,),
+}
 # records that today's rows do not make, by experiment: the keys they differ in, and why
 KNOWN_EXCEPTIONS = {
-    "cpu_precision": [({"train.lr", "train.warmup_steps"}, "made when train=cpu_short's recipe was lr 1e-4 with 4 "
-                       "warm-up steps (3e-4 and 8 since the recovery study); the experiment never pinned them")],
+    "cpu_precision": [
+        (
+            {"train.lr", "train.warmup_steps"},
+            "made when train=cpu_short's recipe was lr 1e-4 with 4 "
+            "warm-up steps (3e-4 and 8 since the recovery study); the experiment never pinned them",
+        )
+    ],
     "rorope_recovery": [({"train.lr"}, "the lr 1e-4 its header names was train=cpu_short's then; never pinned here")],
-    "budget_zero_shot": [({"eval.perplexity.rows"}, "made before eval.perplexity.rows existed: the schema migration "
-                          "wrote its default (stratified); the experiment asks for `first` since")],
+    "budget_zero_shot": [
+        (
+            {"eval.perplexity.rows"},
+            "made before eval.perplexity.rows existed: the schema migration "
+            "wrote its default (stratified); the experiment asks for `first` since",
+        )
+    ],
     "teacher_recovery": [
         ({"svd.d_kv"}, "the original, made when the experiment still set svd.d_kv=16 (no conversion: no number moves)"),
-        ({"train.data.generation.dtype", "eval.dtype"}, "a kd row written and scored in bf16 by command-line "
-         "overrides; its row (fp32 text, fp32 evaluation) is another run"),
+        (
+            {"train.data.generation.dtype", "eval.dtype"},
+            "a kd row written and scored in bf16 by command-line "
+            "overrides; its row (fp32 text, fp32 evaluation) is another run",
+        ),
     ],
 }
 

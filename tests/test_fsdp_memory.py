@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,14 @@ from tests.test_distributed import COMMON, ROOT, launch, one_process, only_recor
 
 # a random model whose weights dominate a process's memory: ~47M parameters, ~190 MB in fp32, in its layers
 # (a small vocabulary: the held-out probe's logits would otherwise be the peak)
-BIG = ["model.shape.num_layers=12", "model.shape.hidden_size=512", "model.shape.num_heads=8",
-       "model.shape.num_kv_heads=4", "model.shape.head_dim=64", "model.intermediate_size=2048"]
+BIG = [
+    "model.shape.num_layers=12",
+    "model.shape.hidden_size=512",
+    "model.shape.num_heads=8",
+    "model.shape.num_kv_heads=4",
+    "model.shape.head_dim=64",
+    "model.intermediate_size=2048",
+]
 FSDP = ["train.micro_batch_size=4", "train.grad_accum=1", "train.strategy=fsdp"]
 
 
@@ -58,16 +63,30 @@ def test_the_other_process_never_holds_a_full_copy_and_checkpoints_are_sharded(t
     other = json.loads((rss / "rank1.json").read_text())
     grown = other["after_training"] - other["before_load"]
     main = json.loads((rss / "rank0.json").read_text())
-    print(f"one fp32 copy {copy / 1e6:.0f} MB; rank 1 grew {grown / 1e6:.0f} MB, rank 0 "
-          f"{(main['after_training'] - main['before_load']) / 1e6:.0f} MB")
+    print(
+        f"one fp32 copy {copy / 1e6:.0f} MB; rank 1 grew {grown / 1e6:.0f} MB, rank 0 "
+        f"{(main['after_training'] - main['before_load']) / 1e6:.0f} MB"
+    )
     assert grown < (2 + 1) * copy, f"rank 1 grew {grown / copy:.2f} fp32 copies of the model"
 
 
 def test_one_process_under_torchrun_trains_sharded_and_resumes_from_its_sharded_checkpoint(one_process, tmp_path):
     def torchrun(*extra, env=None):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               "-m", "mha2mla_exp", *COMMON, "train.micro_batch_size=4", "train.grad_accum=2", "train.strategy=fsdp",
-               *extra, f"results_dir={tmp_path}"]  # the one process's batch: the same 8 rows a step
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "mha2mla_exp",
+            *COMMON,
+            "train.micro_batch_size=4",
+            "train.grad_accum=2",
+            "train.strategy=fsdp",
+            *extra,
+            f"results_dir={tmp_path}",
+        ]  # the one process's batch: the same 8 rows a step
         env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 

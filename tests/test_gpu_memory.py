@@ -16,18 +16,45 @@ from mha2mla_exp.train.memory import estimate_memory, parameter_count
 from tests.compositions import one_row
 from tests.test_distributed import ROOT
 
-LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                 intermediate_size=11008, vocab_size=32000, tied_embeddings=False)
+LLAMA2_7B = dict(
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    intermediate_size=11008,
+    vocab_size=32000,
+    tied_embeddings=False,
+)
 
 
-@pytest.mark.parametrize("arch", [LLAMA2_7B, dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
-                                                  head_dim=64, intermediate_size=1536, vocab_size=49152,
-                                                  tied_embeddings=True)])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        LLAMA2_7B,
+        dict(
+            num_layers=30,
+            hidden_size=576,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tied_embeddings=True,
+        ),
+    ],
+)
 def test_the_parameter_count_is_the_architectures(arch):
-    config = LlamaConfig(num_hidden_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
-                         num_attention_heads=arch["num_heads"], num_key_value_heads=arch["num_kv_heads"],
-                         head_dim=arch["head_dim"], intermediate_size=arch["intermediate_size"],
-                         vocab_size=arch["vocab_size"], tie_word_embeddings=arch["tied_embeddings"])
+    config = LlamaConfig(
+        num_hidden_layers=arch["num_layers"],
+        hidden_size=arch["hidden_size"],
+        num_attention_heads=arch["num_heads"],
+        num_key_value_heads=arch["num_kv_heads"],
+        head_dim=arch["head_dim"],
+        intermediate_size=arch["intermediate_size"],
+        vocab_size=arch["vocab_size"],
+        tie_word_embeddings=arch["tied_embeddings"],
+    )
     with torch.device("meta"):  # the shapes without the memory
         model = LlamaForCausalLM(config)
     assert parameter_count(**arch) == sum(p.numel() for p in model.parameters())
@@ -52,9 +79,21 @@ def test_fsdp_and_activation_checkpointing_bring_the_7b_under_a_gpu_and_ddp_does
 
 def paper_plan(*overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=one_row([
-            "model=llama2_7b", "train=paper", "data=smollm_corpus_text", "+experiment=table1", "budget=paper",
-            "dry_run=true", *overrides], "mla_dkv_dh_over_8"))
+        cfg = compose(
+            config_name="config",
+            overrides=one_row(
+                [
+                    "model=llama2_7b",
+                    "train=paper",
+                    "data=smollm_corpus_text",
+                    "+experiment=table1",
+                    "budget=paper",
+                    "dry_run=true",
+                    *overrides,
+                ],
+                "mla_dkv_dh_over_8",
+            ),
+        )
     return validate(cfg)
 
 
@@ -91,9 +130,20 @@ def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeyp
 
     def compose_7b(*overrides):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose(config_name="config", overrides=one_row([
-                "model=llama2_7b", "+experiment=table1", "budget=paper", f"results_dir={tmp_path}", "logger=none",
-                *overrides], "mla_dkv_dh_over_8"))
+            return compose(
+                config_name="config",
+                overrides=one_row(
+                    [
+                        "model=llama2_7b",
+                        "+experiment=table1",
+                        "budget=paper",
+                        f"results_dir={tmp_path}",
+                        "logger=none",
+                        *overrides,
+                    ],
+                    "mla_dkv_dh_over_8",
+                ),
+            )
 
     outcome = run(compose_7b("dry_run=true"))
     printed = capsys.readouterr().out

@@ -23,9 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def smoke(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "mha2mla_exp.bench.gpu_smoke", "--dry", "--out", str(out),
-                           "--work", str(out / "work"), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha2mla_exp.bench.gpu_smoke",
+            "--dry",
+            "--out",
+            str(out),
+            "--work",
+            str(out / "work"),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +72,10 @@ def test_each_stage_records_what_it_measured(dry_run):
 
     kernel = stage(out, "decode_kernel")["measurements"]
     assert kernel["interpreted"] is True and kernel["dtype"] == "float16"
-    assert all(case["kernel_calls"] == 1 and case["max_abs_err_vs_fp32_reference"] <= kernel["atol"]
-               for case in kernel["cases"])
+    assert all(
+        case["kernel_calls"] == 1 and case["max_abs_err_vs_fp32_reference"] <= kernel["atol"]
+        for case in kernel["cases"]
+    )
 
     train = stage(out, "train_precision")["measurements"]
     assert train["fp32"]["precision"]["mode"] == "fp32"
@@ -73,7 +90,8 @@ def test_each_stage_records_what_it_measured(dry_run):
     assert {"heldout_ppl", "passkey@512", "ppl.longdoc@256"} <= set(original["scores"]) == set(converted["scores"])
     # the converted row is the bf16 twin's fine-tuned model, reused, not trained again
     assert converted["trained_model"] and Path(converted["trained_model"]).name.startswith(
-        Path(train["bf16-autocast"]["run_dir"]).name.rsplit("-", 1)[0])
+        Path(train["bf16-autocast"]["run_dir"]).name.rsplit("-", 1)[0]
+    )
     assert converted["kv"]["bytes_per_token_measured"] < original["kv"]["bytes_per_token_measured"]
 
     fsdp = stage(out, "fsdp")["measurements"]
@@ -112,8 +130,9 @@ def test_a_stage_past_its_time_is_recorded_as_timed_out(tmp_path):
 def test_the_gpu_plans_runs_are_valid_runner_configs(name, tmp_path):
     # what only a GPU runs is checked here before it costs device time: the overrides compose and validate
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*gpu_smoke.runner_runs(gpu_smoke.GPU)[name],
-                                                       f"results_dir={tmp_path}"])
+        cfg = compose(
+            config_name="config", overrides=[*gpu_smoke.runner_runs(gpu_smoke.GPU)[name], f"results_dir={tmp_path}"]
+        )
     plan = validate(cfg)
     assert plan.fine_tune == (name != "original") and plan.eval_dtype_reason
     if cfg.eval.long_context.enabled:  # checked only at evaluation time (evaluation/long_context.py), so here

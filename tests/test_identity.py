@@ -20,22 +20,41 @@ def plan(*overrides, tmp="/tmp/identity"):
     return validate(smoke_cfg(Path(tmp), "mla_2-norm_joint", *BASE, *overrides))
 
 
-@pytest.mark.parametrize("observer", [
-    "train.log_every=5", "train.checkpoint_every=7", "train.eval_every=3", "train.eval_batches=9",
-    "train.epochs_allowed=true", "distill.lr=0.5", "distill.epochs=9", "logger=wandb_offline",
-    "model.paper_name=renamed",
-])
+@pytest.mark.parametrize(
+    "observer",
+    [
+        "train.log_every=5",
+        "train.checkpoint_every=7",
+        "train.eval_every=3",
+        "train.eval_batches=9",
+        "train.epochs_allowed=true",
+        "distill.lr=0.5",
+        "distill.epochs=9",
+        "logger=wandb_offline",
+        "model.paper_name=renamed",
+    ],
+)
 def test_observers_change_no_identity(observer):
     base, observed = plan(), plan(observer)
     assert (observed.trained_hash, observed.eval_hash) == (base.trained_hash, base.eval_hash), observer
 
 
-@pytest.mark.parametrize("setting, which", [
-    ("train.lr=2e-4", "trained"), ("train.tokens=4096", "trained"), ("seed=1", "trained"),
-    ("svd.d_kv=4", "trained"), ("distill.enabled=true", "trained"), ("objective=kd", "trained"),
-    ("train.precision=bf16-master", "trained"), ("train.freeze_non_attention=true", "trained"),
-    ("kv_quant=hqq4", "eval"), ("eval.perplexity.max_batches=1", "eval"), ("kv_measure_tokens=32", "eval"),
-])
+@pytest.mark.parametrize(
+    "setting, which",
+    [
+        ("train.lr=2e-4", "trained"),
+        ("train.tokens=4096", "trained"),
+        ("seed=1", "trained"),
+        ("svd.d_kv=4", "trained"),
+        ("distill.enabled=true", "trained"),
+        ("objective=kd", "trained"),
+        ("train.precision=bf16-master", "trained"),
+        ("train.freeze_non_attention=true", "trained"),
+        ("kv_quant=hqq4", "eval"),
+        ("eval.perplexity.max_batches=1", "eval"),
+        ("kv_measure_tokens=32", "eval"),
+    ],
+)
 def test_what_changes_the_numbers_changes_the_right_identity(setting, which):
     base, changed = plan(), plan(setting)
     assert (changed.trained_hash != base.trained_hash) == (which == "trained"), setting
@@ -44,7 +63,9 @@ def test_what_changes_the_numbers_changes_the_right_identity(setting, which):
 
 
 def test_the_global_batch_is_the_identity_not_its_split():
-    assert plan("train.micro_batch_size=2", "train.grad_accum=4").trained_hash == plan().trained_hash  # 8 rows either way
+    assert (
+        plan("train.micro_batch_size=2", "train.grad_accum=4").trained_hash == plan().trained_hash
+    )  # 8 rows either way
     assert plan("train.micro_batch_size=2", "train.grad_accum=2").trained_hash != plan().trained_hash  # 4 rows
 
 
@@ -68,7 +89,7 @@ def test_eval_dtype_fastest_measures_on_cpu_and_is_identified_by_what_it_chose(m
     assert fastest.eval_dtype == chosen and f"{bf16_speed:.2f}x" in fastest.eval_dtype_reason
     assert fastest.eval_hash == plan(f"eval.dtype={chosen}").eval_hash
     assert plan("eval.dtype=auto").eval_hash == plan().eval_hash  # `auto` is what no key meant
-    assert plan("eval.dtype=auto").eval_dtype == "float32"         # on CPU, measured or not
+    assert plan("eval.dtype=auto").eval_dtype == "float32"  # on CPU, measured or not
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert plan("eval.dtype=fastest").eval_dtype == "bfloat16"
 
@@ -81,11 +102,11 @@ def test_an_untrained_model_is_the_same_in_any_training_precision():
 
 def test_trained_names_say_what_was_trained_and_how():
     p = plan("objective=kd", "train.freeze_non_attention=true", "train.precision=bf16-master")
-    assert describe_trained(p).endswith("__ft2.048k-kd-attn-lr0.0003-bf16m__s0")   # lr: not the paper's
+    assert describe_trained(p).endswith("__ft2.048k-kd-attn-lr0.0003-bf16m__s0")  # lr: not the paper's
 
 
 def test_the_split_of_whitened_factors_is_part_of_what_a_fine_tune_starts_from(monkeypatch):
-    import mha2mla_exp.runner.config as identity   # where the plan reads the split from (mla.lowrank)
+    import mha2mla_exp.runner.config as identity  # where the plan reads the split from (mla.lowrank)
 
     def hashes(*overrides):
         p = plan("svd.init=activation", *overrides)
@@ -93,8 +114,10 @@ def test_the_split_of_whitened_factors_is_part_of_what_a_fine_tune_starts_from(m
 
     trained, conversion = hashes()
     monkeypatch.setattr(identity, "FACTOR_SPLIT", "another-split")
-    assert hashes() != (trained, conversion) and hashes()[1] != conversion   # the kept conversion too
+    assert hashes() != (trained, conversion) and hashes()[1] != conversion  # the kept conversion too
     zero_shot = validate(smoke_cfg("/tmp/identity", "mla_2-norm_joint", "svd.init=activation", "train=none"))
     monkeypatch.setattr(identity, "FACTOR_SPLIT", "per-direction-norm")
-    assert validate(smoke_cfg("/tmp/identity", "mla_2-norm_joint", "svd.init=activation",
-                              "train=none")).trained_hash == zero_shot.trained_hash   # same product, same numbers
+    assert (
+        validate(smoke_cfg("/tmp/identity", "mla_2-norm_joint", "svd.init=activation", "train=none")).trained_hash
+        == zero_shot.trained_hash
+    )  # same product, same numbers

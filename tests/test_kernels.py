@@ -16,11 +16,16 @@ import sys
 
 import pytest
 import torch
-
 from conftest import tiny_causal_lm
+
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.mla.kernels import (
-    absorbed_decode, absorbed_decode_reference, get_backend, set_backend, triton_available, triton_calls,
+    absorbed_decode,
+    absorbed_decode_reference,
+    get_backend,
+    set_backend,
+    triton_available,
+    triton_calls,
 )
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -38,10 +43,32 @@ CASES = [
     ("default-config", 2, 8, 8, 300, 16, 128, "joint", "float32", False, None),
     ("shared-rope-key", 2, 9, 1, 50, 24, 96, "joint", "float32", True, {"num_splits": 2, "BLOCK_S": 16}),  # RoRoPE
     # the key in chunks and the value columns over several programs (how the 2048-wide row launches)
-    ("key-value-chunks", 2, 9, 3, 50, 8, 96, "joint", "float32", True,
-     {"num_splits": 2, "BLOCK_S": 16, "KEY_CHUNK": 32, "VALUE_CHUNK": 32}),
-    ("key-value-chunks-split", 2, 6, 2, 45, 6, 80, "split", "float32", False,
-     {"num_splits": 3, "BLOCK_S": 16, "KEY_CHUNK": 16, "VALUE_CHUNK": 16}),
+    (
+        "key-value-chunks",
+        2,
+        9,
+        3,
+        50,
+        8,
+        96,
+        "joint",
+        "float32",
+        True,
+        {"num_splits": 2, "BLOCK_S": 16, "KEY_CHUNK": 32, "VALUE_CHUNK": 32},
+    ),
+    (
+        "key-value-chunks-split",
+        2,
+        6,
+        2,
+        45,
+        6,
+        80,
+        "split",
+        "float32",
+        False,
+        {"num_splits": 3, "BLOCK_S": 16, "KEY_CHUNK": 16, "VALUE_CHUNK": 16},
+    ),
     ("default-config-2048", 1, 4, 2, 40, 8, 2048, "joint", "float32", False, None),
 ]
 # every case again in bf16: bf16 inputs, fp32 accumulation, against the float64 reference of the same inputs
@@ -58,8 +85,15 @@ def make_inputs(case, device="cpu", seed=0):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dt)
 
     ks, vs = (slice(0, width // 2), slice(width // 2, width)) if svd == "split" else (slice(0, width),) * 2
-    inputs = dict(q_rope=rand(b, n_h, r2), q_latent=rand(b, n_h, ks.stop - ks.start),
-                  k_rope=rand(b, n_kv, s, r2), latent=rand(b, s, width), k_slice=ks, v_slice=vs, scale=0.2)
+    inputs = dict(
+        q_rope=rand(b, n_h, r2),
+        q_latent=rand(b, n_h, ks.stop - ks.start),
+        k_rope=rand(b, n_kv, s, r2),
+        latent=rand(b, s, width),
+        k_slice=ks,
+        v_slice=vs,
+        scale=0.2,
+    )
     if padded:  # left and right padding, one row with a single valid position
         start = torch.randint(0, s // 3, (b,), generator=g)
         end = torch.randint(s // 2, s + 1, (b,), generator=g)
@@ -86,8 +120,9 @@ def interpreted_errors():
         pytest.skip("triton is not installed (it belongs in the dev extras so CI runs these)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, not another's
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(__file__))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -119,8 +154,9 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **op
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n) or ("fp32" if n in floats else "i32")
-                 for n in names}
+    signature = {
+        n: "constexpr" if n in constexprs else pointers.get(n) or ("fp32" if n in floats else "i32") for n in names
+    }
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -129,8 +165,12 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, floats=(), **op
 def test_merge_kernel_compiles_for_hopper_at_the_widest_latent():
     from mha2mla_exp.mla.decode_triton import _merge_kernel
 
-    merge = compile_for_hopper(_merge_kernel, {"OPART": "*fp32", "LSE": "*fp32", "OUT": "*bf16"},
-                               dict(BLOCK_SP=128, BLOCK_LV=2048), num_warps=4)
+    merge = compile_for_hopper(
+        _merge_kernel,
+        {"OPART": "*fp32", "LSE": "*fp32", "OUT": "*bf16"},
+        dict(BLOCK_SP=128, BLOCK_LV=2048),
+        num_warps=4,
+    )
     assert merge.asm["cubin"]
 
 
@@ -161,8 +201,10 @@ def test_launch_table_compiles_for_hopper_without_spills_at_the_occupancy_it_ass
     row = LAUNCH_TABLE[width]
     cfg = default_config(16, 32, 16384, width, torch.device("cpu"), slices == "one_slice", sm_count=132)
     assumed = blocks_per_sm(row["registers"][slices], cfg["num_warps"], row["shared_bytes"][slices])
-    used = [resources(compile_split_kernel(cfg, width, width, 16, "bf16", slices == "one_slice", padded))
-            for padded in (False, True)]
+    used = [
+        resources(compile_split_kernel(cfg, width, width, 16, "bf16", slices == "one_slice", padded))
+        for padded in (False, True)
+    ]
     assert all(u["spill_bytes"] == 0 for u in used), used
     assert max(u["registers"] for u in used) <= row["registers"][slices], used
     assert max(u["shared_bytes"] for u in used) <= row["shared_bytes"][slices], used
@@ -227,9 +269,16 @@ def test_dispatcher_picks_triton_on_cuda():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("rope,svd,kind", [("uniform", "joint", "gqa"), ("uniform", "split", "mha"),
-                                           ("uniform", "joint", "qwen2"), ("rorope", "joint", "qwen2"),
-                                           ("rorope", "split", "gqa")])
+@pytest.mark.parametrize(
+    "rope,svd,kind",
+    [
+        ("uniform", "joint", "gqa"),
+        ("uniform", "split", "mha"),
+        ("uniform", "joint", "qwen2"),
+        ("rorope", "joint", "qwen2"),
+        ("rorope", "split", "gqa"),
+    ],
+)
 def test_absorbed_decode_equals_attention_over_the_expanded_keys_and_values(rope, svd, kind):
     """One decode token after a prefill: the W_uk fold + absorbed_decode + W_uv recipe, and the model's own
     absorbed attention (which calls it), both equal softmax attention written out over the keys and values
@@ -259,8 +308,9 @@ def test_absorbed_decode_equals_attention_over_the_expanded_keys_and_values(rope
 
     w_uk = attn.k_up_proj.weight.view(n_kv, attn.nope_dim, -1)
     q_latent = torch.einsum("bkgn,knl->bkgl", q_nope.reshape(b, n_kv, g, -1), w_uk).reshape(b, n_kv * g, -1)
-    attended = absorbed_decode(q_rope[:, :, 0], q_latent, k_rope, latent[:, 0], attn.k_latent, attn.v_latent,
-                               attn.scaling)
+    attended = absorbed_decode(
+        q_rope[:, :, 0], q_latent, k_rope, latent[:, 0], attn.k_latent, attn.v_latent, attn.scaling
+    )
     w_uv = attn.v_up_proj.weight.view(n_kv, d_h, -1)
     out = torch.einsum("bkgl,kdl->bkgd", attended.view(b, n_kv, g, -1), w_uv)
     if attn.v_up_proj.bias is not None:

@@ -41,8 +41,9 @@ def test_chunked_loss_gives_the_plain_loss_and_gradients(objective, tie):
     teacher = teacher if objective.needs_teacher else None
     plain_loss, plain = loss_and_grads(model, LogitsLoss(), objective, batch, teacher)
     # 30 scored positions in chunks of 7: the last chunk is short
-    fused_loss, fused = loss_and_grads(model, ChunkedLoss(model.model, model.lm_head, chunk_rows=7), objective, batch,
-                                       teacher)
+    fused_loss, fused = loss_and_grads(
+        model, ChunkedLoss(model.model, model.lm_head, chunk_rows=7), objective, batch, teacher
+    )
     assert fused_loss.item() == pytest.approx(plain_loss.item(), rel=1e-5, abs=1e-7)
     for name, grad in plain.items():
         assert torch.allclose(fused[name], grad, rtol=1e-4, atol=1e-6), name
@@ -57,8 +58,9 @@ def test_chunked_loss_under_bf16_autocast_matches_the_plain_path(objective):
     objective = build_objective(objective)
     teacher = teacher if objective.needs_teacher else None
     plain_loss, plain = loss_and_grads(model, LogitsLoss(), objective, batch, teacher, autocast=True)
-    fused_loss, fused = loss_and_grads(model, ChunkedLoss(model.model, model.lm_head, chunk_rows=8), objective, batch,
-                                       teacher, autocast=True)
+    fused_loss, fused = loss_and_grads(
+        model, ChunkedLoss(model.model, model.lm_head, chunk_rows=8), objective, batch, teacher, autocast=True
+    )
     assert fused_loss.item() == pytest.approx(plain_loss.item(), rel=1e-3)
     for name, grad in plain.items():  # bf16 products (8 mantissa bits) summed in another order
         cos = torch.nn.functional.cosine_similarity(fused[name].flatten(), grad.flatten(), dim=0)
@@ -71,8 +73,15 @@ def test_recipe_trains_to_the_same_losses_on_either_path(tmp_path, mode):
     curves = {}
     for fused in (False, True):
         curve = []
-        finetune(tiny_causal_lm("gqa"), rows(), train_cfg(fused_loss=fused, tokens=1024), tmp_path / str(fused),
-                 precision=precision_for(mode, "cpu"), seed=0, on_log=curve.append)
+        finetune(
+            tiny_causal_lm("gqa"),
+            rows(),
+            train_cfg(fused_loss=fused, tokens=1024),
+            tmp_path / str(fused),
+            precision=precision_for(mode, "cpu"),
+            seed=0,
+            on_log=curve.append,
+        )
         curves[fused] = [row["loss"] for row in curve]
     tolerance = 1e-5 if mode == "fp32" else 2e-2
     assert curves[True] == pytest.approx(curves[False], abs=tolerance)
@@ -88,8 +97,10 @@ def test_adamw_implementations_make_the_same_updates(impl, dtype):
     batch = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     optimizers = {}
     for name, model in (("loop", reference), (impl, other)):
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         optimizers[name] = adamw(groups, TrainConfig(lr=lr, betas=[0.9, 0.95], eps=1e-8, optimizer_impl=name))
     for _ in range(3 if dtype == torch.float32 else 1):  # in bf16 a rounding apart changes the next gradient
         for name, model in (("loop", reference), (impl, other)):
@@ -108,7 +119,8 @@ def test_adamw_implementations_make_the_same_updates(impl, dtype):
 
 def test_fast_path_settings_are_checked_and_stay_out_of_the_identity():
     assert check_values(TrainConfig(optimizer_impl="adam8bit"), "train.") == [
-        "train.optimizer_impl: expected one of fused, foreach, loop, got 'adam8bit'"]   # the schema's, at entry
+        "train.optimizer_impl: expected one of fused, foreach, loop, got 'adam8bit'"
+    ]  # the schema's, at entry
 
     class NoHead(torch.nn.Module):
         pass
@@ -117,12 +129,18 @@ def test_fast_path_settings_are_checked_and_stay_out_of_the_identity():
         loss_head_for(NoHead(), fused=True)
     assert isinstance(loss_head_for(NoHead(), fused=False), LogitsLoss)
     observers = {f.name for f in dataclasses.fields(TrainConfig) if is_observer(f)}
-    assert {"fused_loss", "optimizer_impl"} <= observers   # the same numbers: in no run's identity
+    assert {"fused_loss", "optimizer_impl"} <= observers  # the same numbers: in no run's identity
 
 
 def test_the_record_says_which_path_ran(tmp_path):
-    _, record = finetune(tiny_causal_lm("gqa"), rows(), train_cfg(fused_loss=True, optimizer_impl="fused", tokens=256),
-                         tmp_path, precision=precision_for("fp32", "cpu"), seed=0)
+    _, record = finetune(
+        tiny_causal_lm("gqa"),
+        rows(),
+        train_cfg(fused_loss=True, optimizer_impl="fused", tokens=256),
+        tmp_path,
+        precision=precision_for("fp32", "cpu"),
+        seed=0,
+    )
     assert (record["loss_path"], record["optimizer_impl"]) == ("chunked", "fused")
 
 
@@ -130,9 +148,15 @@ def test_compiled_decoder_trains_to_the_eager_losses_on_the_fused_path(tmp_path)
     curves = {}
     for compiled in (False, True):
         curve = []
-        trained, record = finetune(tiny_causal_lm("gqa"), rows(), train_cfg(fused_loss=True, compile=compiled, tokens=512),
-                                   tmp_path / str(compiled), precision=precision_for("fp32", "cpu"), seed=0,
-                                   on_log=curve.append)
+        trained, record = finetune(
+            tiny_causal_lm("gqa"),
+            rows(),
+            train_cfg(fused_loss=True, compile=compiled, tokens=512),
+            tmp_path / str(compiled),
+            precision=precision_for("fp32", "cpu"),
+            seed=0,
+            on_log=curve.append,
+        )
         curves[compiled] = [row["loss"] for row in curve]
         assert "forward" not in vars(trained.model) and record["compiled"] is compiled  # evaluation runs eager
     assert curves[True] == pytest.approx(curves[False], abs=1e-4)

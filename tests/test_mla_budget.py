@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_causal_lm
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_causal_lm
 from mha2mla_exp.mla import MLASpec, ModelShape, convert_to_mla
 from mha2mla_exp.mla.budget import search_widths, selection_loss
 from mha2mla_exp.mla.cache import LatentCache
@@ -27,8 +27,16 @@ def test_full_budget_reproduces_the_original(tokens, rope_pairs):
     """At 2*n_kv*d_h elements only one split is lossless: every pair keeps RoPE (32 dims) beside a latent of
     the values' full rank (32); the search must find it, as any dropped pair loses position."""
     model = tiny_causal_lm("gqa")
-    mla = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=rope_pairs,
-                         calibration=calib(tokens), selection=[tokens])
+    mla = convert_to_mla(
+        model,
+        rope="rorope",
+        svd="joint",
+        init="bkv",
+        kv_elements=FULL,
+        rope_pairs=rope_pairs,
+        calibration=calib(tokens),
+        selection=[tokens],
+    )
     assert (mla(tokens).logits - model(tokens).logits).abs().max() < 1e-4
     split = mla.config.mla["budget_split"]
     assert all(2 * s["rope_pairs"] + s["latent"] == FULL for s in split)
@@ -45,8 +53,16 @@ def test_full_budget_reproduces_the_original(tokens, rope_pairs):
 def test_measured_cache_bytes_are_the_budget_and_absorbed_decode_equals_expanded(kind, tokens, tmp_path):
     model = tiny_causal_lm(kind)
     budget = 20
-    mla = convert_to_mla(model, rope="rorope", svd="joint", init="output", score="rotation", kv_elements=budget,
-                         calibration=calib(tokens), selection=[tokens.flip(0)])
+    mla = convert_to_mla(
+        model,
+        rope="rorope",
+        svd="joint",
+        init="output",
+        score="rotation",
+        kv_elements=budget,
+        calibration=calib(tokens),
+        selection=[tokens.flip(0)],
+    )
     shape = ModelShape.from_config(model.config)
     spec = MLASpec.create(shape, rope="rorope", r=1, svd="joint", kv_elements=budget)
     assert kv_elements_per_token(shape, spec) == budget
@@ -74,8 +90,16 @@ def test_the_search_keeps_the_split_of_lowest_selection_loss_among_those_it_trie
     model = tiny_causal_lm("gqa")
     budget = 24
     selection = [tokens.flip(0)]
-    searched = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, key_weight=None,
-                              calibration=calib(tokens), selection=selection)
+    searched = convert_to_mla(
+        model,
+        rope="rorope",
+        svd="joint",
+        init="bkv",
+        kv_elements=budget,
+        key_weight=None,
+        calibration=calib(tokens),
+        selection=selection,
+    )
     search = searched.config.mla["budget_search"]
     allowed = budget_pair_range(ModelShape.from_config(model.config), budget)
     tried = {(c["rope_pairs"], c["key_weight"]): c["selection_loss"] for c in search["candidates"]}
@@ -87,8 +111,16 @@ def test_the_search_keeps_the_split_of_lowest_selection_loss_among_those_it_trie
     assert tried[best] == min(tried.values())
     assert selection_loss(searched, selection) == pytest.approx(tried[best], abs=1e-6)
     for k, w in [(allowed.start, 1.0), best, (search["rope_pairs"], 0.5)]:  # each loss is that fixed split's
-        fixed = convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=budget, rope_pairs=k,
-                               key_weight=w, calibration=calib(tokens))
+        fixed = convert_to_mla(
+            model,
+            rope="rorope",
+            svd="joint",
+            init="bkv",
+            kv_elements=budget,
+            rope_pairs=k,
+            key_weight=w,
+            calibration=calib(tokens),
+        )
         assert selection_loss(fixed, selection) == pytest.approx(tried[k, w], abs=1e-6)
 
 
@@ -102,12 +134,25 @@ def test_the_key_weight_trades_the_values_fit_for_the_keys(tokens):
         latent = a.kv_down_proj(x)
         return a.k_up_proj(latent[:, a.k_latent]), a.v_up_proj(latent[:, a.v_latent])
 
-    exact_k, exact_v = nope_keys_and_values(convert_to_mla(  # 2 pairs + the full-rank latent: lossless NoPE
-        model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=2, calibration=calib(tokens)))
+    exact_k, exact_v = nope_keys_and_values(
+        convert_to_mla(  # 2 pairs + the full-rank latent: lossless NoPE
+            model, rope="rorope", svd="joint", init="bkv", kv_elements=FULL, rope_pairs=2, calibration=calib(tokens)
+        )
+    )
     errors = {}
     for weight in (0.25, 1.0, 4.0):
-        k, v = nope_keys_and_values(convert_to_mla(model, rope="rorope", svd="joint", init="bkv", kv_elements=20,
-                                                   rope_pairs=2, key_weight=weight, calibration=calib(tokens)))
+        k, v = nope_keys_and_values(
+            convert_to_mla(
+                model,
+                rope="rorope",
+                svd="joint",
+                init="bkv",
+                kv_elements=20,
+                rope_pairs=2,
+                key_weight=weight,
+                calibration=calib(tokens),
+            )
+        )
         errors[weight] = ((k - exact_k).norm().item(), (v - exact_v).norm().item())
     assert errors[0.25][0] > errors[1.0][0] > errors[4.0][0]  # more weight on the keys: they fit better...
     assert errors[0.25][1] < errors[1.0][1] < errors[4.0][1]  # ... and the values worse
@@ -115,8 +160,9 @@ def test_the_key_weight_trades_the_values_fit_for_the_keys(tokens):
 
 def test_a_searched_budget_without_a_selection_sample_is_refused(tokens):
     with pytest.raises(ValueError, match="needs a selection"):
-        convert_to_mla(tiny_causal_lm("gqa"), rope="rorope", svd="joint", init="bkv", kv_elements=24,
-                       calibration=calib(tokens))
+        convert_to_mla(
+            tiny_causal_lm("gqa"), rope="rorope", svd="joint", init="bkv", kv_elements=24, calibration=calib(tokens)
+        )
 
 
 def test_width_exchanges_keep_the_total_and_the_bounds_and_only_lower_the_score():
@@ -135,7 +181,7 @@ def test_width_exchanges_keep_the_total_and_the_bounds_and_only_lower_the_score(
     assert sum(widths) == 64 and record["scored"] == len(scored)
     assert record["uniform_loss"] == pytest.approx(sum(ci / 16 for ci in c))
     losses = [record["uniform_loss"]] + [r["selection_loss"] for r in record["rounds"]]
-    assert losses == sorted(losses, reverse=True) and len(losses) > 2   # every kept round lowered it
+    assert losses == sorted(losses, reverse=True) and len(losses) > 2  # every kept round lowered it
     assert widths[1] > widths[2] > widths[0] and widths[1] > 16 > widths[0]  # the dear layer got most
     assert record["rounds"][-1]["widths"] == widths
 
@@ -167,19 +213,28 @@ def test_a_measured_allocation_keeps_the_cache_bytes_and_lowers_the_selection_lo
     assert (measured(tokens).logits - expanded).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rope": "2-norm", "svd": "joint", "kv_elements": 72}, "needs a strategy with one shared rope key"),
-    ({"rope": "rorope", "svd": "split", "kv_elements": 72}, "needs svd='joint'"),
-    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "d_kv": 16}, "both size the latent"),
-    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "rope_pairs": 36}, "keeps 1..35 rotated pairs"),
-    ({"rope": "rorope", "svd": "joint", "rope_pairs": 8}, "needs kv_elements"),
-    ({"rope": "rorope", "svd": "joint", "kv_elements": 2}, "kv_elements must be an integer >= 3"),
-    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": None}, "key_weight=null .searched. needs"),
-    ({"rope": "rorope", "svd": "split", "d_kv": 16, "key_weight": 2.0}, "has no such trade"),
-    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": 0}, "key_weight must be a positive number"),
-    ({"rope": "rorope", "svd": "joint", "d_kv": 16, "allocation": "measured"}, "allocation='measured' needs kv_elements"),
-    ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "allocation": "global"}, "spread by the model's measured"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rope": "2-norm", "svd": "joint", "kv_elements": 72}, "needs a strategy with one shared rope key"),
+        ({"rope": "rorope", "svd": "split", "kv_elements": 72}, "needs svd='joint'"),
+        ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "d_kv": 16}, "both size the latent"),
+        ({"rope": "rorope", "svd": "joint", "kv_elements": 72, "rope_pairs": 36}, "keeps 1..35 rotated pairs"),
+        ({"rope": "rorope", "svd": "joint", "rope_pairs": 8}, "needs kv_elements"),
+        ({"rope": "rorope", "svd": "joint", "kv_elements": 2}, "kv_elements must be an integer >= 3"),
+        ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": None}, "key_weight=null .searched. needs"),
+        ({"rope": "rorope", "svd": "split", "d_kv": 16, "key_weight": 2.0}, "has no such trade"),
+        ({"rope": "rorope", "svd": "joint", "d_kv": 16, "key_weight": 0}, "key_weight must be a positive number"),
+        (
+            {"rope": "rorope", "svd": "joint", "d_kv": 16, "allocation": "measured"},
+            "allocation='measured' needs kv_elements",
+        ),
+        (
+            {"rope": "rorope", "svd": "joint", "kv_elements": 72, "allocation": "global"},
+            "spread by the model's measured",
+        ),
+    ],
+)
 def test_a_budget_that_cannot_be_met_is_refused_before_any_weight(kwargs, message):
     shape = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)
     with pytest.raises(ValueError, match=message):
@@ -195,23 +250,32 @@ def test_budget_range_and_name():
     fixed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", kv_elements=72, rope_pairs=16)
     assert fixed.name_parts() == ("rorope", "joint-kv72-p16") and fixed.searches is False
     assert spec.searches and "attention_inputs" not in spec.statistics
-    weighed = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
-                             key_weight=None)
+    weighed = MLASpec.create(
+        shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16, key_weight=None
+    )
     assert weighed.searches and weighed.name_parts() == ("rorope", "joint-kv72-p16-bkv-kwsearch")
-    measured = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
-                              allocation="measured")
+    measured = MLASpec.create(
+        shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16, allocation="measured"
+    )
     assert measured.searches and measured.name_parts() == ("rorope", "joint-kv72-p16-bkv-measured")
     weighed = MLASpec.create(shape, rope="rorope", r=4, svd="joint", d_kv=16, key_weight=2)
     assert weighed.name_parts()[1] == "joint-dkv16-kw2"
 
 
 def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp_path):
+    from mha2mla_exp.runner import run
     from tests.test_runner import smoke_cfg
 
-    from mha2mla_exp.runner import run
-
-    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "rope.strategy=rorope", "rope.score=rotation", "svd=budget",
-                    "svd.kv_elements=20", "svd.d_kv=null", "train.tokens=256")
+    cfg = smoke_cfg(
+        tmp_path,
+        "mla_2-norm_joint",
+        "rope.strategy=rorope",
+        "rope.score=rotation",
+        "svd=budget",
+        "svd.kv_elements=20",
+        "svd.d_kv=null",
+        "train.tokens=256",
+    )
     record = run(cfg)
     assert record["status"] == "ok", record["error"]
     assert record["mla"]["kv_elements"] == 20 and record["mla"]["r"] is None

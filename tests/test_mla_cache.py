@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_causal_lm
-from mha2mla_exp.mla import LatentCache, MLASpec, ModelShape, QuantizedLatentCache, convert_to_mla, kv_elements_per_token
+
+from mha2mla_exp.mla import (
+    LatentCache,
+    MLASpec,
+    ModelShape,
+    QuantizedLatentCache,
+    convert_to_mla,
+    kv_elements_per_token,
+)
 from mha2mla_exp.mla.cache import QuantizedLatentLayer
 
 VARIANTS = [
@@ -15,9 +22,9 @@ VARIANTS = [
     dict(rope="uniform", r=3, svd="split", d_kv=10),
     dict(rope="none", svd="joint", d_kv=6),
     dict(rope="full", svd="joint", d_kv=16),
-    dict(rope="rorope", r=2, svd="joint", d_kv=8),   # one shared rope key (mla/layouts.py)
+    dict(rope="rorope", r=2, svd="joint", d_kv=8),  # one shared rope key (mla/layouts.py)
     dict(rope="rorope", r=3, svd="split", d_kv=10),
-    dict(rope="rorope", r=3, svd="none"),            # NoPE keys re-embedded by a k_up, values as cached
+    dict(rope="rorope", r=3, svd="none"),  # NoPE keys re-embedded by a k_up, values as cached
 ]
 IDS = [f"{s['rope']}-{s['svd']}" for s in VARIANTS]
 
@@ -72,7 +79,7 @@ def test_absorbed_equals_expanded(kind, spec, tokens):
         cache = LatentCache()
         steps = [mla(prompt, cache=cache, use_cache=True).logits[:, -1]]
         for i in range(16, tokens.shape[1]):
-            steps.append(mla(tokens[:, i:i + 1], cache=cache, use_cache=True).logits[:, -1])
+            steps.append(mla(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1])
         logits[absorb] = torch.stack(steps)
     assert (logits[True] - logits[False]).abs().max().item() < 1e-4
 
@@ -98,6 +105,7 @@ def test_absorbed_handles_left_padding(tokens):
 
 # ---- quantized latent cache ----
 
+
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 @pytest.mark.parametrize("nbits, bound", [(4, 1 / 3), (2, 1 / 5)])
 @torch.no_grad()
@@ -111,7 +119,7 @@ def test_quantized_cache_bytes_bound(backend, nbits, bound, tokens):
     quantized = QuantizedLatentCache(mla.config.num_hidden_layers, backend=backend, nbits=nbits, residual_length=32)
     mla(prompt, cache=quantized, use_cache=True)
     for i in range(5):  # a few decode steps land in the full-precision residual window
-        mla(prompt[:, i:i + 1], cache=quantized, use_cache=True)
+        mla(prompt[:, i : i + 1], cache=quantized, use_cache=True)
     assert quantized.get_seq_length() == 305
     quantized_part = quantized.nbytes() - quantized.residual_nbytes()
     assert quantized.residual_nbytes() == plain.nbytes() // 300 * 5
@@ -140,8 +148,12 @@ def test_quantized_layer_round_trip_is_faithful(backend):
 def test_generate_with_quantized_latent_cache(backend, spec, tokens):
     mla = convert("gqa", spec, tokens)
     out = mla.generate(
-        tokens[:1], max_new_tokens=4, do_sample=False, cache_implementation="quantized",
-        cache_config={"backend": backend, "nbits": 4, "residual_length": 4}, return_dict_in_generate=True,
+        tokens[:1],
+        max_new_tokens=4,
+        do_sample=False,
+        cache_implementation="quantized",
+        cache_config={"backend": backend, "nbits": 4, "residual_length": 4},
+        return_dict_in_generate=True,
     )
     cache = out.get("cache", out.get("past_key_values"))
     assert isinstance(cache, QuantizedLatentCache)

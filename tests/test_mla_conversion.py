@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_causal_lm
 from transformers import AutoModelForCausalLM
 
 import mha2mla_exp  # noqa: F401  (registers the model type)
-from conftest import tiny_causal_lm
 from mha2mla_exp.mla import MLAForCausalLM, MLASpec, ModelShape, convert_to_mla, fixed_pairs, max_d_kv
 from mha2mla_exp.mla.rope.two_norm import pair_scores, top_pairs
 
@@ -123,8 +123,13 @@ def test_smollm_135m_shape_parameter_counts():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
         max_position_embeddings=2048,
     )
     with torch.device("meta"):
@@ -157,6 +162,7 @@ def test_save_pretrained_round_trip(tmp_path, tokens):
 
 
 # ---- bad input: clear errors before any heavy work ----
+
 
 @pytest.mark.parametrize(
     "kwargs, message",
@@ -222,6 +228,7 @@ def test_calibration_is_not_touched_when_spec_is_invalid():
 
 
 # ---- low-rank inits: see test_mla_lowrank_init.py ----
+
 
 def test_activation_aware_init_needs_calibration_and_a_low_rank():
     with pytest.raises(ValueError, match="init='activation' needs calibration"):

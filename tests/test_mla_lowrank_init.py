@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_causal_lm
+
 from mha2mla_exp.mla import LOWRANK_INITS, LatentCache, LowRankInit, ModelShape, convert_to_mla, max_d_kv
 from mha2mla_exp.mla.calibration import Calibration
 from mha2mla_exp.mla.lowrank_init.output import OutputAware
@@ -115,10 +115,11 @@ def objectives(original, full_rank, mla, calib, rank: int | None = None) -> dict
         attn = full_rank.model.layers[i].self_attn
         q = attn.q_proj(x.float()).view(len(x), 1, n_h, d_h).transpose(1, 2)
         q_nope = attn._split_query(q)[1].squeeze(2).transpose(0, 1).double()  # [n_h, N, nope_dim]
-        nope = attn.nope_dim
         w_o = original.model.layers[i].self_attn.o_proj.weight.double().view(-1, n_h, d_h)
-        k_weight = [sum(tau[i, h] / d_h * q_nope[h].T @ q_nope[h] / len(x) for h in range(g * group, (g + 1) * group))
-                    for g in range(n_kv)]
+        k_weight = [
+            sum(tau[i, h] / d_h * q_nope[h].T @ q_nope[h] / len(x) for h in range(g * group, (g + 1) * group))
+            for g in range(n_kv)
+        ]
         v_weight = [sum(w_o[:, h].T @ w_o[:, h] for h in range(g * group, (g + 1) * group)) for g in range(n_kv)]
         output_weight = torch.block_diag(*k_weight, *v_weight)
         delta = torch.cat([dk, dv])
@@ -139,8 +140,9 @@ def test_every_init_is_exact_at_full_rank(rope, init, tokens):
     calib = calibration_tokens()
     shape = ModelShape.from_config(model.config)
     ref = convert_to_mla(model, rope=rope, r=2, svd="none", calibration=calib)(tokens).logits
-    full = convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=max_d_kv(shape, 2, "joint"), init=init,
-                          calibration=calib)
+    full = convert_to_mla(
+        model, rope=rope, r=2, svd="joint", d_kv=max_d_kv(shape, 2, "joint"), init=init, calibration=calib
+    )
     assert max_diff(full(tokens).logits, ref) < 1e-4
     assert full.config.mla["init"] == init
 
@@ -152,9 +154,16 @@ def test_each_weighting_reaches_the_optimum_of_its_objective_and_beats_the_other
     full_rank = convert_to_mla(model, rope=rope, r=2, svd="none", calibration=calib)
     inits = ("weight", "activation", "bkv", "test-output-derived")
     for d_kv in (2, 6, 12):
-        scores = {init: objectives(model, full_rank, convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=d_kv,
-                                                                      init=init, calibration=calib), calib, 2 * d_kv)
-                  for init in inits}
+        scores = {
+            init: objectives(
+                model,
+                full_rank,
+                convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=d_kv, init=init, calibration=calib),
+                calib,
+                2 * d_kv,
+            )
+            for init in inits
+        }
         optimum, derived = scores["weight"], scores["test-output-derived"]
         assert derived["output"] == pytest.approx(optimum["output_optimum"], rel=1e-5), d_kv
         assert scores["activation"]["activation"] == pytest.approx(optimum["activation_optimum"], rel=1e-5), d_kv
@@ -189,9 +198,15 @@ def test_output_init_is_never_worse_than_activation_or_bkv_on_the_attention_outp
     calib = calibration_tokens()
     full_rank = convert_to_mla(model, rope=rope, r=2, svd="none", calibration=calib)
     for d_kv in (2, 6):
-        errors = {init: attention_output_errors(model, full_rank, convert_to_mla(
-            model, rope=rope, r=2, svd=svd, d_kv=d_kv, init=init, calibration=calib), calib)
-            for init in ("activation", "bkv", "output")}
+        errors = {
+            init: attention_output_errors(
+                model,
+                full_rank,
+                convert_to_mla(model, rope=rope, r=2, svd=svd, d_kv=d_kv, init=init, calibration=calib),
+                calib,
+            )
+            for init in ("activation", "bkv", "output")
+        }
         for layer, error in enumerate(errors["output"]):
             for other in ("activation", "bkv"):
                 assert error <= errors[other][layer] * (1 + 1e-5), (d_kv, layer, other, errors)
@@ -207,11 +222,14 @@ def test_global_allocation_keeps_the_total_and_lowers_the_objective(tmp_path, to
     full_rank = convert_to_mla(model, rope="high", r=2, svd="none")
     init = "test-output-derived"  # each layer optimal for the objective the allocation sums
     uniform = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init=init, calibration=calib)
-    spread = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6, init=init, allocation="global",
-                            calibration=calib)
+    spread = convert_to_mla(
+        model, rope="high", r=2, svd="joint", d_kv=6, init=init, allocation="global", calibration=calib
+    )
     widths = [layer.self_attn.latent_dim for layer in spread.model.layers]
     assert sum(widths) == 4 * 2 * 6 and len(set(widths)) > 1 and spread.config.latent_dims == widths
-    assert objectives(model, full_rank, spread, calib)["output"] < objectives(model, full_rank, uniform, calib)["output"]
+    assert (
+        objectives(model, full_rank, spread, calib)["output"] < objectives(model, full_rank, uniform, calib)["output"]
+    )
 
     cache = LatentCache()
     spread.generate(tokens[:1], max_new_tokens=4, do_sample=False, cache=cache)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_causal_lm
+
 from mha2mla_exp.mla import MLASpec, ModelShape, convert_to_mla
 from mha2mla_exp.mla.calibration import Calibration
 from mha2mla_exp.mla.layouts import HeadPairs
@@ -88,8 +88,9 @@ def test_attended_nope_keys_leave_a_full_rope_conversion_exact_and_change_a_part
     full = convert_to_mla(model, rope=rope, r=HALF, svd="none", nope_keys="attended", calibration=[tokens])
     assert (full(tokens).logits - model(tokens).logits).abs().max() < 1e-4
     plain = convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=8, init="bkv", calibration=[tokens])
-    attended = convert_to_mla(model, rope=rope, r=2, svd="joint", d_kv=8, init="bkv", nope_keys="attended",
-                              calibration=[tokens])
+    attended = convert_to_mla(
+        model, rope=rope, r=2, svd="joint", d_kv=8, init="bkv", nope_keys="attended", calibration=[tokens]
+    )
     assert (attended(tokens).logits - plain(tokens).logits).abs().max() > 1e-3
     assert attended.config.mla["nope_keys"] == "attended"
 
@@ -103,15 +104,15 @@ def test_nope_keys_are_validated_and_named():
     assert {"attended_cosine", "pair_norms"} <= set(spec.statistics)
     assert "nope_keys='attended'" in spec.calibrated_fields()
     assert MLASpec.recorded({k: v for k, v in spec.to_dict().items() if k != "nope_keys"}).nope_keys == "plain"
-    budget = MLASpec.create(shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16,
-                            nope_keys="attended")
+    budget = MLASpec.create(
+        shape, rope="rorope", r=None, svd="joint", init="bkv", kv_elements=72, rope_pairs=16, nope_keys="attended"
+    )
     assert budget.name_parts() == ("rorope-att", "joint-kv72-p16-bkv")
 
 
 def test_the_runner_takes_nope_keys_from_the_rope_group(tmp_path):
-    from tests.test_runner import smoke_cfg
-
     from mha2mla_exp.runner import run
+    from tests.test_runner import smoke_cfg
 
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "+rope.nope_keys=attended", "train.tokens=256")
     record = run(cfg)

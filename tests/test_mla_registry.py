@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_causal_lm
 from hydra import compose, initialize_config_dir
 
-from conftest import tiny_causal_lm
-from mha2mla_exp.mla import ROPE_STRATEGIES, LOWRANK_INITS, MLASpec, ModelShape, RopeStrategy, convert_to_mla
+from mha2mla_exp.mla import LOWRANK_INITS, ROPE_STRATEGIES, MLASpec, ModelShape, RopeStrategy, convert_to_mla
 from mha2mla_exp.mla.calibration import Calibration
 from mha2mla_exp.mla.layouts import HeadPairs
 from mha2mla_exp.mla.rope.two_norm import top_pairs
@@ -36,8 +36,9 @@ class LoudestKeys(RopeStrategy):
 def test_a_new_strategy_converts(tokens):
     model = tiny_causal_lm("qwen2")
     calib = [tokens]
-    mla = convert_to_mla(model, rope="test-loudest-keys", r=3, svd="joint", d_kv=6, init="activation",
-                         calibration=calib)
+    mla = convert_to_mla(
+        model, rope="test-loudest-keys", r=3, svd="joint", d_kv=6, init="activation", calibration=calib
+    )
     shape = ModelShape.from_config(model.config)
     _, k_norms = Calibration(model, calib, shape).get("pair_norms")
     assert mla.config.rope_pairs == [top_pairs(k_norms[i], 3) for i in range(shape.num_layers)]
@@ -54,9 +55,18 @@ def test_a_new_strategy_runs_through_the_runner(tmp_path):
     from mha2mla_exp.runner.config import describe
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=smoke", "rope.r=2", "svd.d_kv=8", f"results_dir={tmp_path}",  # its mla_2-norm_joint row
-            "rope.strategy=test-loudest-keys", "rope.r=null", "train.enabled=false"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "+experiment=smoke",
+                "rope.r=2",
+                "svd.d_kv=8",
+                f"results_dir={tmp_path}",  # its mla_2-norm_joint row
+                "rope.strategy=test-loudest-keys",
+                "rope.r=null",
+                "train.enabled=false",
+            ],
+        )
     plan = validate(cfg)
     assert plan.spec.rope == "test-loudest-keys" and plan.spec.r == 16 // 16 and plan.spec.needs_calibration
     assert "__test-loudest-keys-r1__joint-dkv8__" in describe(plan)
@@ -65,8 +75,12 @@ def test_a_new_strategy_runs_through_the_runner(tmp_path):
     assert record["status"] == "ok", record["error"]
     assert LoudestKeys.calls == before + 1
     assert record["mla"]["rope"] == "test-loudest-keys" and record["mla"]["r"] == 1
-    hydra_config = {"variant": "mla", "rope": {"strategy": "test-loudest-keys", "r": None},
-                    "svd": {"method": "joint", "d_kv": 8}, "model": {"shape": {"head_dim": 16}}}
+    hydra_config = {
+        "variant": "mla",
+        "rope": {"strategy": "test-loudest-keys", "r": None},
+        "svd": {"method": "joint", "d_kv": 8},
+        "model": {"shape": {"head_dim": 16}},
+    }
     assert mla_from_hydra(hydra_config)["r"] == 1
 
 
@@ -84,7 +98,12 @@ def test_registry_rules():
     assert "Helper" not in ROPE_STRATEGIES and "" not in ROPE_STRATEGIES
     shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     assert MLASpec.create(shape, rope="2-norm", r=2, svd="joint", d_kv=4, init="output").statistics == (
-        "pair_norms", "input_gram", "query_moments", "value_spread", "attention_inputs")
+        "pair_norms",
+        "input_gram",
+        "query_moments",
+        "value_spread",
+        "attention_inputs",
+    )
     assert not MLASpec.create(shape, rope="high", r=2, svd="none").needs_calibration
 
 
@@ -99,8 +118,12 @@ def test_strategies_inits_statistics_and_objectives_share_one_registry_mechanism
     from mha2mla_exp.train import OBJECTIVES, build_objective
     from mha2mla_exp.train.objectives import Objective
 
-    kinds = [(RopeStrategy, ROPE_STRATEGIES, "rorope", "rope"), (LowRankInit, LOWRANK_INITS, "bkv", "init"),
-             (Statistic, STATISTICS, "pair_norms", "statistics"), (Objective, OBJECTIVES, "kd", "objective.name")]
+    kinds = [
+        (RopeStrategy, ROPE_STRATEGIES, "rorope", "rope"),
+        (LowRankInit, LOWRANK_INITS, "bkv", "init"),
+        (Statistic, STATISTICS, "pair_norms", "statistics"),
+        (Objective, OBJECTIVES, "kd", "objective.name"),
+    ]
     for base, registry, taken, field in kinds:
         assert isinstance(registry, Registry) and issubclass(base, Registered) and base.registry is registry
         monkeypatch.setattr(registry, "_classes", dict(registry._classes))  # the probes leave with the test

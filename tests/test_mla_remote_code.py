@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_causal_lm
+
 from mha2mla_exp.mla import convert_to_mla
 
 HERE = Path(__file__).resolve().parent
@@ -21,10 +21,16 @@ HERE = Path(__file__).resolve().parent
 
 def load_in_fresh_interpreter(folder: Path, ids: torch.Tensor, tmp_path: Path) -> dict:
     torch.save(ids, tmp_path / "ids.pt")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"),
-               PYTHONPATH="")  # nothing but site-packages: the package is blocked anyway
-    proc = subprocess.run([sys.executable, str(HERE / "remote_load.py"), str(folder), str(tmp_path / "ids.pt"),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH=""
+    )  # nothing but site-packages: the package is blocked anyway
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "remote_load.py"), str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp_path / "out.pt")
 
@@ -38,18 +44,25 @@ def greedy(model, ids, absorb: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("spec", [dict(rope="2-norm", r=3, svd="joint", d_kv=6),
-                                  dict(rope="rorope", r=3, svd="none"),  # shared rope key, k_up without v_up
-                                  dict(rope="rorope", r=2, svd="joint", d_kv=6, init="output", allocation="global")],
-                         ids=["2-norm-joint", "rorope-none", "rorope-joint-output-global"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(rope="2-norm", r=3, svd="joint", d_kv=6),
+        dict(rope="rorope", r=3, svd="none"),  # shared rope key, k_up without v_up
+        dict(rope="rorope", r=2, svd="joint", d_kv=6, init="output", allocation="global"),
+    ],
+    ids=["2-norm-joint", "rorope-none", "rorope-joint-output-global"],
+)
 def test_saved_folder_loads_without_the_package(tmp_path, tokens, spec):
     model = tiny_causal_lm("qwen2")  # q/k/v biases
     mla = convert_to_mla(model, **spec, calibration=[tokens])
     folder = tmp_path / "mla"
     mla.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration.MLAConfig",
-                                  "AutoModelForCausalLM": "modeling.MLAForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration.MLAConfig",
+        "AutoModelForCausalLM": "modeling.MLAForCausalLM",
+    }
     assert {"modeling.py", "configuration.py", "cache.py", "decode_dispatch.py"} <= {p.name for p in folder.iterdir()}
 
     out = load_in_fresh_interpreter(folder, tokens, tmp_path)
@@ -74,8 +87,14 @@ def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path,
 
     model, tokenizer = tiny
     mla = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4)
-    cfg = CommonsenseConfig(limit=6, sample="random", seed=3, tasks=("piqa", "arc_easy"), batch_size=4,
-                            data_root=str(commonsense_tree(tmp_path / "hf_datasets", n=12, subjects=("anatomy",))))
+    cfg = CommonsenseConfig(
+        limit=6,
+        sample="random",
+        seed=3,
+        tasks=("piqa", "arc_easy"),
+        batch_size=4,
+        data_root=str(commonsense_tree(tmp_path / "hf_datasets", n=12, subjects=("anatomy",))),
+    )
     ours, meta, _ = evaluate_commonsense(EvalLM(mla, tokenizer, batch_size=4), cfg)
 
     folder = tmp_path / "mla"
@@ -83,14 +102,37 @@ def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path,
     tokenizer.save_pretrained(folder)
     tasks = [n for c in cfg.tasks for n in task_names(c, True, ())]
     samples = {n: sample_indices(12, 6, "random", 3) for n in tasks}
-    argv = ["lm_eval", "run", "--model", "hf", "--model_args",
-            f"pretrained={folder},trust_remote_code=True,dtype=float32", "--device", "cpu", "--tasks", *tasks,
-            "--include_path", meta["task_dir"], "--samples", json.dumps(samples), "--batch_size", "4",
-            "--output_path", str(tmp_path / "out")]
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import remote_load; remote_load.install_block(); "
-            f"sys.argv = {argv!r}; from lm_eval.__main__ import cli_evaluate; cli_evaluate()")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+    argv = [
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},trust_remote_code=True,dtype=float32",
+        "--device",
+        "cpu",
+        "--tasks",
+        *tasks,
+        "--include_path",
+        meta["task_dir"],
+        "--samples",
+        json.dumps(samples),
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import remote_load; remote_load.install_block(); "
+        f"sys.argv = {argv!r}; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+    )
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "modules"),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
@@ -105,8 +147,9 @@ def test_real_smollm2_conversion_loads_without_the_package(tmp_path):
     from mha2mla_exp.models import load_model
     from mha2mla_exp.schema.sections import ModelConfig
 
-    model, tokenizer = load_model(ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m",
-                                              dtype="float32"), device="cpu")
+    model, tokenizer = load_model(
+        ModelConfig(source="asset", id="smollm2-135m", name="smollm2-135m", dtype="float32"), device="cpu"
+    )
     mla = convert_to_mla(model, rope="uniform", r=4, svd="joint", d_kv=16)
     folder = tmp_path / "mla"
     mla.save_pretrained(folder)

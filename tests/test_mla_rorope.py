@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_causal_lm
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_causal_lm
 from mha2mla_exp.mla import ModelShape, convert_to_mla, max_d_kv
 from mha2mla_exp.mla.layouts import RotatedPairs
 from mha2mla_exp.mla.rope.rorope import principal_axes, rotated_pair_scores
@@ -29,8 +29,9 @@ def test_full_budget_reproduces_the_original(tiny_model, tokens):
     assert plain.config.rope_layout == "shared" and len(plain.config.rope_pairs[0]) == 1
     assert max_diff(plain(tokens).logits, ref) < 1e-4
     d_kv = max_d_kv(ModelShape.from_config(tiny_model.config), HALF, "joint")
-    low_rank = convert_to_mla(tiny_model, rope="rorope", r=HALF, svd="joint", d_kv=d_kv, init="output",
-                              calibration=calib)
+    low_rank = convert_to_mla(
+        tiny_model, rope="rorope", r=HALF, svd="joint", d_kv=d_kv, init="output", calibration=calib
+    )
     assert max_diff(low_rank(tokens).logits, ref) < 1e-4
 
 
@@ -112,6 +113,7 @@ def test_rotated_split_keeps_exactly_the_key_space():
 
 # ---- score='rotation' (ours): the 2-norm score times how far each pair's rotation moves where heads attend ----
 
+
 @torch.no_grad()
 def test_rotation_distance_statistic_matches_brute_force():
     from mha2mla_exp.mla.calibration import Calibration
@@ -145,7 +147,9 @@ def test_rotation_score_skips_pairs_that_do_not_turn():
     assert top_pairs(pair_scores(q, k, 1, "product"), 1) == [[2]]
     assert top_pairs(pair_scores(q, k, 1, "rotation", distance), 1) == [[1]]
     u = torch.eye(1, dtype=torch.float64).expand(3, 1, 1)
-    assert torch.allclose(rotated_pair_scores(q, k, u, "rotation", distance), pair_scores(q, k, 1, "rotation", distance))
+    assert torch.allclose(
+        rotated_pair_scores(q, k, u, "rotation", distance), pair_scores(q, k, 1, "rotation", distance)
+    )
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-FIXTURES_ROOT = Path(__file__).resolve().parent / "fixtures"     # the runs are under <root>/runs
+FIXTURES_ROOT = Path(__file__).resolve().parent / "fixtures"  # the runs are under <root>/runs
 
 
 def outputs(notebook) -> tuple[str, list[str]]:
@@ -32,18 +32,19 @@ def executed(tmp_path_factory):
     """compression_vs_performance.ipynb run on the fixtures (via $MHA2MLA_RESULTS) and on an empty root."""
     empty_root = tmp_path_factory.mktemp("no_results")
     template = nbformat.read(NOTEBOOKS / "compression_vs_performance.ipynb", as_version=4)
-    client = NotebookClient(copy.deepcopy(template), timeout=180, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = NotebookClient(
+        copy.deepcopy(template), timeout=180, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     runs = {}
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("MHA2MLA_RESULTS", str(FIXTURES_ROOT))   # the kernel inherits it at start
+        env.setenv("MHA2MLA_RESULTS", str(FIXTURES_ROOT))  # the kernel inherits it at start
         with client.setup_kernel():
             for name, root in (("fixtures", None), ("empty", empty_root)):
                 notebook = copy.deepcopy(template)
                 if root is not None:
                     client.execute_cell(new_code_cell(f"import os; os.environ['MHA2MLA_RESULTS'] = {str(root)!r}"), 0)
                 for index, cell in enumerate(notebook.cells):
-                    client.execute_cell(cell, index)          # raises CellExecutionError on any error
+                    client.execute_cell(cell, index)  # raises CellExecutionError on any error
                 runs[name] = notebook
     return runs
 
@@ -51,16 +52,16 @@ def executed(tmp_path_factory):
 def test_notebook_on_fixture_runs(executed):
     text, kinds = outputs(executed["fixtures"])
     assert f"12 runs under {FIXTURES_ROOT / 'runs'}, 10 with status ok" in text
-    assert kinds.count("image/png") == 2                  # the Table 1 trade-off and the Table 2 scatter
-    assert "RuntimeError: out of memory" in text and "diverged" in text   # failed runs are listed
+    assert kinds.count("image/png") == 2  # the Table 1 trade-off and the Table 2 scatter
+    assert "RuntimeError: out of memory" in text and "diverged" in text  # failed runs are listed
     exchange = next(c for c in executed["fixtures"].cells if "points_lost_per_10pct" in c.source)
-    assert "0.43" in exchange.outputs[0]["data"]["text/plain"]   # ours: 3.5 points for 81.25% saved
+    assert "0.43" in exchange.outputs[0]["data"]["text/plain"]  # ours: 3.5 points for 81.25% saved
 
 
 def test_notebook_without_runs(executed):
     text, kinds = outputs(executed["empty"])
     assert "0 runs under" in text
-    assert kinds.count("image/png") == 2                  # the paper's points still drawn
+    assert kinds.count("image/png") == 2  # the paper's points still drawn
     assert "135M SmolLM" in text
 
 

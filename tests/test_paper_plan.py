@@ -31,8 +31,10 @@ def offline(monkeypatch):
 
 def compose_paper(*overrides, experiment="table1", row="mla_dkv_dh_over_8"):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=one_row([f"+experiment={experiment}", "budget=paper",
-                                                                "logger=none", *overrides], row))
+        return compose(
+            config_name="config",
+            overrides=one_row([f"+experiment={experiment}", "budget=paper", "logger=none", *overrides], row),
+        )
 
 
 def test_a_one_process_launch_of_the_8_gpu_7b_plan_is_refused_before_loading(offline, monkeypatch):
@@ -40,8 +42,11 @@ def test_a_one_process_launch_of_the_8_gpu_7b_plan_is_refused_before_loading(off
     fp32 state on one GPU. The check counted the plan's 8 processes and let it through."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the check applies
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ConfigError, match=r"train\.gpus: this launch has 1 process\(es\) but the plan is laid out "
-                                          r"for 8 \(fsdp\).*torchrun --nproc_per_node 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.gpus: this launch has 1 process\(es\) but the plan is laid out "
+        r"for 8 \(fsdp\).*torchrun --nproc_per_node 8",
+    ):
         validate(compose_paper("model=llama2_7b", "device=cuda"))
     monkeypatch.setenv("WORLD_SIZE", "8")  # the launch the plan is for
     plan = validate(compose_paper("model=llama2_7b", "device=cuda"))
@@ -50,27 +55,40 @@ def test_a_one_process_launch_of_the_8_gpu_7b_plan_is_refused_before_loading(off
 
 
 def test_the_7b_dry_run_prints_processes_memory_schedule_and_mixture_and_refuses_the_launch(
-        offline, monkeypatch, tmp_path, capsys):
+    offline, monkeypatch, tmp_path, capsys
+):
     from mha2mla_exp.runner.run import run
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     outcome = run(compose_paper("model=llama2_7b", "dry_run=true", f"results_dir={tmp_path}"))
     printed = capsys.readouterr().out
     assert outcome["status"] == "refused" and "train.gpus: this launch has 1 process(es)" in outcome["error"]
-    assert re.search(r"processes: the plan is laid out for 8 \(train\.gpus, fsdp; at least 2 to fit 80 GB per "
-                     r"GPU\); this launch has 1: refused: on 1 process\(es\) it needs \d+\.\d GB per GPU", printed)
+    assert re.search(
+        r"processes: the plan is laid out for 8 \(train\.gpus, fsdp; at least 2 to fit 80 GB per "
+        r"GPU\); this launch has 1: refused: on 1 process\(es\) it needs \d+\.\d GB per GPU",
+        printed,
+    )
     assert "REFUSED as launched: train.gpus" in printed
     assert re.search(r"GPU memory: \d+\.\d GB per GPU \(fsdp on 8 process\(es\)", printed)
     assert re.search(r"host memory: main process \d+\.\d GB .*each of the other 7 \d+\.\d GB", printed)
     assert "warm-up ends at step 1,000, constant, then 1-sqrt decay from step 10,000 to 0 at step 12,000" in printed
-    assert re.search(r"mixture, token shares: fineweb-edu-dedup 70\.0%, cosmopedia-v2 15\.0%, python-edu 8\.0%, "
-                     r"open-web-math 6\.0%, stackoverflow 1\.0%", printed)
+    assert re.search(
+        r"mixture, token shares: fineweb-edu-dedup 70\.0%, cosmopedia-v2 15\.0%, python-edu 8\.0%, "
+        r"open-web-math 6\.0%, stackoverflow 1\.0%",
+        printed,
+    )
     assert not any(tmp_path.iterdir())  # a plan writes nothing
 
 
-@pytest.mark.parametrize("model, warmup_end, decay_start, total", [
-    ("smollm_135m", 900, 16_200, 18_000), ("smollm_360m", 900, 16_200, 18_000),
-    ("smollm_1b7", 1_000, 10_000, 12_000), ("llama2_7b", 1_000, 10_000, 12_000)])
+@pytest.mark.parametrize(
+    "model, warmup_end, decay_start, total",
+    [
+        ("smollm_135m", 900, 16_200, 18_000),
+        ("smollm_360m", 900, 16_200, 18_000),
+        ("smollm_1b7", 1_000, 10_000, 12_000),
+        ("llama2_7b", 1_000, 10_000, 12_000),
+    ],
+)
 def test_train_paper_has_the_released_configs_schedule(model, warmup_end, decay_start, total):
     """JT-Ushio/MHA2MLA configs/mla/*.yaml at 94467d1: lr_warmup_steps, lr_decay_starting_step and lr_decay_steps
     (1-sqrt to 0). train=paper decayed over the last 20 % of every model's steps."""
@@ -85,8 +103,11 @@ def test_train_paper_has_the_released_configs_schedule(model, warmup_end, decay_
 
 
 def test_a_schedule_that_does_not_fit_the_budget_is_refused_naming_the_field(offline):
-    with pytest.raises(ConfigError, match=r"train\.decay_steps: 1,000 warm-up steps .* and 2,000 decay steps do "
-                                          r"not fit the budget's 4 steps"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.decay_steps: 1,000 warm-up steps .* and 2,000 decay steps do "
+        r"not fit the budget's 4 steps",
+    ):
         validate(compose_paper("model=llama2_7b", "train.tokens=4194304"))
 
 
@@ -110,7 +131,7 @@ def test_the_readmes_paper_scale_torchrun_line_is_the_papers_recipe(offline, mon
     [line] = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith("torchrun") and "train=paper" in ln]
     argv = line.split("#")[0].split()
     world = int(argv[argv.index("--nproc_per_node") + 1])
-    overrides = argv[argv.index("mha2mla_exp") + 1:]
+    overrides = argv[argv.index("mha2mla_exp") + 1 :]
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
@@ -140,8 +161,10 @@ def test_the_paper_sweeps_launch_each_model_with_the_processes_its_plan_needs(tm
     subprocess.run(["bash", str(script), "hydra/launcher=slurm"], env=env, check=True)
     slurm = log.read_text().splitlines()
     assert local[0].startswith("python -m mha2mla_exp +experiment=table1 budget=paper model=smollm_135m")
-    assert local[-1].startswith("torchrun --standalone --nproc_per_node 8 -m mha2mla_exp +experiment=table1 "
-                                "budget=paper model=llama2_7b logger=none")
+    assert local[-1].startswith(
+        "torchrun --standalone --nproc_per_node 8 -m mha2mla_exp +experiment=table1 "
+        "budget=paper model=llama2_7b logger=none"
+    )
     assert "hydra.launcher.tasks_per_node=1 hydra.launcher.gpus_per_node=1" in slurm[0]
     assert "model=llama2_7b hydra.launcher.tasks_per_node=8 hydra.launcher.gpus_per_node=8" in slurm[-1]
 
@@ -158,8 +181,16 @@ def test_the_slurm_stop_margin_covers_the_step_in_flight_and_the_checkpoint(mode
     launcher = OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml")
     cfg = compose_paper(f"model={model}")
     shape, sizes, plan = cfg.model.shape, cfg.model.sizes, cfg.model.gpu_plan
-    p = parameter_count(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                        sizes.intermediate_size, sizes.vocab_size, sizes.tied_embeddings)
+    p = parameter_count(
+        shape.num_layers,
+        shape.hidden_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        sizes.intermediate_size,
+        sizes.vocab_size,
+        sizes.tied_embeddings,
+    )
     written = checkpoint_bytes_per_process(parameters=p, processes=plan.gpus, strategy=plan.strategy)
     assert launcher.signal_delay_s >= 60 + written / 100e6
 
@@ -171,7 +202,8 @@ def test_a_mixture_part_dropped_for_missing_access_makes_another_model(offline, 
 
     overrides = ("model=smollm_135m", "data.missing_parts=renormalise")
     everywhere = validate(compose_paper(*overrides))
-    monkeypatch.setattr(sources, "part_access_error",
-                        lambda part, where: "no AWS credentials" if part.get("blob_field") else None)
+    monkeypatch.setattr(
+        sources, "part_access_error", lambda part, where: "no AWS credentials" if part.get("blob_field") else None
+    )
     without_python_edu = validate(compose_paper(*overrides))
     assert without_python_edu.trained_hash != everywhere.trained_hash

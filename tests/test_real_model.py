@@ -34,8 +34,9 @@ def smollm2():
     from mha2mla_exp.schema.sections import ModelConfig
 
     torch.manual_seed(0)
-    return load_model(typed_section(ModelConfig, OmegaConf.load(CONF / "model" / "smollm2_135m.yaml"), "model"),
-                      device="cpu")
+    return load_model(
+        typed_section(ModelConfig, OmegaConf.load(CONF / "model" / "smollm2_135m.yaml"), "model"), device="cpu"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -92,9 +93,11 @@ def test_smollm2_loads_offline_from_a_plain_safetensors_folder(smollm2):
 
 def test_held_out_sotu_perplexity_is_sane(sotu, original_ppl):
     tokens = HELD_OUT_ROWS * (SEQ_LEN - 1)
-    print(f"\n[smollm2-135m original] held-out SOTU perplexity {original_ppl:.2f} "
-          f"({HELD_OUT_ROWS} rows x {SEQ_LEN} tokens, {tokens} predicted tokens; "
-          f"held-out split: {sotu.stats['documents']['held_out']} speeches, {sotu.stats['tokens']['held_out']} tokens)")
+    print(
+        f"\n[smollm2-135m original] held-out SOTU perplexity {original_ppl:.2f} "
+        f"({HELD_OUT_ROWS} rows x {SEQ_LEN} tokens, {tokens} predicted tokens; "
+        f"held-out split: {sotu.stats['documents']['held_out']} speeches, {sotu.stats['tokens']['held_out']} tokens)"
+    )
     assert sotu.stats["documents"]["held_out"] > 0 and sotu.stats["documents"]["train"] > 200
     assert 5.0 < original_ppl < 60.0  # a real pretrained LM on 19th/20th-century English prose
 
@@ -104,8 +107,9 @@ def test_full_rank_conversion_reproduces_the_logits(smollm2):
 
     model, tok = smollm2
     mla = convert_to_mla(model, rope="full", svd="joint", d_kv=64)
-    x = tok("Gentlemen of the Congress, the state of the Union is sound and our finances are in order.",
-            return_tensors="pt").input_ids
+    x = tok(
+        "Gentlemen of the Congress, the state of the Union is sound and our finances are in order.", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         diff = (mla(x).logits - model(x).logits).abs().max().item()
     print(f"\n[smollm2-135m full-rank MLA] max abs logit diff {diff:.2e}")
@@ -119,8 +123,9 @@ def test_rorope_at_full_budget_reproduces_the_logits(smollm2, sotu):
     model, tok = smollm2
     calibration = calibration_batches(sotu, n=4, seq_len=SEQ_LEN, batch_size=4)
     mla = convert_to_mla(model, rope="rorope", r=32, svd="none", calibration=calibration)
-    x = tok("Gentlemen of the Congress, the state of the Union is sound and our finances are in order.",
-            return_tensors="pt").input_ids
+    x = tok(
+        "Gentlemen of the Congress, the state of the Union is sound and our finances are in order.", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         diff = (mla(x).logits - model(x).logits).abs().max().item()
     print(f"\n[smollm2-135m RoRoPE, every rotated pair kept] max abs logit diff {diff:.2e}")
@@ -136,8 +141,10 @@ def test_paper_default_conversion_is_measured(smollm2, sotu, original_ppl):
     calibration = calibration_batches(sotu, **CALIBRATION)  # from the TRAIN split only
     mla = convert_to_mla(model, rope="2-norm", r=4, svd="joint", d_kv=32, calibration=calibration)
     ppl = perplexity(mla, sotu.held_out[:HELD_OUT_ROWS])
-    print(f"\n[smollm2-135m MLA 2-norm r=4 joint d_kv=32, no fine-tuning] held-out SOTU perplexity {ppl:.2f} "
-          f"vs original {original_ppl:.2f} (calibration {CALIBRATION['n']} x {SEQ_LEN} train tokens)")
+    print(
+        f"\n[smollm2-135m MLA 2-norm r=4 joint d_kv=32, no fine-tuning] held-out SOTU perplexity {ppl:.2f} "
+        f"vs original {original_ppl:.2f} (calibration {CALIBRATION['n']} x {SEQ_LEN} train tokens)"
+    )
     assert math.isfinite(ppl)
     assert ppl > original_ppl  # -68.75% KV cache without any fine-tuning costs quality
     assert ppl < len(smollm2[1])  # yet it is far from a uniform guess over the 49,152-token vocabulary

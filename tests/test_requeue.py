@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
-
-import pathlib
 import threading
+import time
 
 import psutil
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from mha2mla_exp.runner import run, trained_model_for, validate
 from mha2mla_exp.train import TrainingStopped
@@ -29,7 +26,9 @@ from tests.test_distributed import COMMON, ROOT
 LONG = ["train.tokens=32768", "train.micro_batch_size=4", "train.grad_accum=2"]
 # no periodic checkpoint: whatever a stopped run resumes from was written because of the stop
 NO_PERIODIC = [o for o in COMMON if not o.startswith("train.checkpoint_every=")] + [
-    "train.checkpoint_every=0", "train.log_every=1"]
+    "train.checkpoint_every=0",
+    "train.log_every=1",
+]
 
 
 def compose_run(results_dir, *overrides):
@@ -60,9 +59,23 @@ def test_a_timed_out_cell_is_requeued_and_resumes_to_the_same_loss(tmp_path):
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     out = tmp_path / "requeued"
     sweep = subprocess.Popen(
-        [sys.executable, "-m", "mha2mla_exp", "-m", *NO_PERIODIC, *LONG, "seed=0", f"results_dir={out}",
-         "hydra/launcher=submitit_local", "+hydra.launcher.max_num_timeout=2"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mha2mla_exp",
+            "-m",
+            *NO_PERIODIC,
+            *LONG,
+            "seed=0",
+            f"results_dir={out}",
+            "hydra/launcher=submitit_local",
+            "+hydra.launcher.max_num_timeout=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.time() + 600
@@ -152,7 +165,11 @@ def test_a_sweep_with_failed_cells_lists_them_and_exits_non_zero(tmp_path):
     # seq_len 1024 is past the tiny model's 512-token context: every fine-tuning cell is refused, the original runs
     result = subprocess.run(
         [sys.executable, "-m", "mha2mla_exp", "+experiment=smoke", "train.seq_len=1024", f"results_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode != 0
     assert "sweep of 3 cells" in result.stdout

@@ -5,7 +5,6 @@ aggregate's."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -19,19 +18,29 @@ TRAINED = ["variant=mla", "train.tokens=4096", "train.precision=fp32"]
 
 
 def test_the_setting_hash_leaves_out_the_seed_and_only_the_seed():
-    plans = {name: validate(compose_cfg(TRAINED + extra)) for name, extra in {
-        "seed0": [], "seed1": ["seed=1"], "bf16": ["train.precision=bf16-autocast"], "warmup": ["train.warmup_steps=3"],
-        "logging": ["train.log_every=7"]}.items()}
+    plans = {
+        name: validate(compose_cfg(TRAINED + extra))
+        for name, extra in {
+            "seed0": [],
+            "seed1": ["seed=1"],
+            "bf16": ["train.precision=bf16-autocast"],
+            "warmup": ["train.warmup_steps=3"],
+            "logging": ["train.log_every=7"],
+        }.items()
+    }
     assert plans["seed0"].trained_hash != plans["seed1"].trained_hash
     assert plans["seed0"].setting_hash == plans["seed1"].setting_hash
     assert plans["bf16"].setting_hash != plans["seed0"].setting_hash
     assert plans["warmup"].setting_hash != plans["seed0"].setting_hash
-    assert plans["logging"].setting_hash == plans["seed0"].setting_hash   # an observer changes no number
+    assert plans["logging"].setting_hash == plans["seed0"].setting_hash  # an observer changes no number
 
 
 def test_two_precisions_of_one_config_are_two_rows_and_two_seeds_one(tmp_path):
-    for name, precision, seed, avg in [("fp32_s0", "fp32", 0, 0.30), ("fp32_s1", "fp32", 1, 0.32),
-                                       ("bf16_s0", "bf16-autocast", 0, 0.36)]:
+    for name, precision, seed, avg in [
+        ("fp32_s0", "fp32", 0, 0.30),
+        ("fp32_s1", "fp32", 1, 0.32),
+        ("bf16_s0", "bf16-autocast", 0, 0.36),
+    ]:
         rec = _record(tokens=32768, seed=seed, avg=avg)
         rec["train"] |= {"precision": {"mode": precision}}
         rec["setting_hash"] = f"setting-{precision}"
@@ -67,13 +76,16 @@ def test_a_record_without_a_setting_stands_alone(tmp_path):
 def test_mmlu_at_one_doc_per_subject_varies_in_the_bootstrap():
     spec = paired.commonsense_spec(["mmlu"])
     rng = np.random.default_rng(0)
-    index = pd.MultiIndex.from_tuples([("mmlu", f"mmlu_subject{i}", 0) for i in range(57)],
-                                      names=["column", "task", "doc_id"])
+    index = pd.MultiIndex.from_tuples(
+        [("mmlu", f"mmlu_subject{i}", 0) for i in range(57)], names=["column", "task", "doc_id"]
+    )
     values = pd.DataFrame({"value": rng.integers(0, 2, 57).astype(float)}, index=index)
     interval = paired.bootstrap_scores(values, spec)["mmlu"]
-    assert interval.high - interval.low > 0.1   # ~ 2 x 1.96 x sqrt(p (1-p) / 57) ~ 0.26
+    assert interval.high - interval.low > 0.1  # ~ 2 x 1.96 x sqrt(p (1-p) / 57) ~ 0.26
     # a subject of several docs is still its own stratum: these resamples keep its mean
-    index2 = pd.MultiIndex.from_tuples([("mmlu", "one_subject", i) for i in range(4)], names=["column", "task", "doc_id"])
+    index2 = pd.MultiIndex.from_tuples(
+        [("mmlu", "one_subject", i) for i in range(4)], names=["column", "task", "doc_id"]
+    )
     same = pd.DataFrame({"value": [1.0, 1.0, 1.0, 1.0]}, index=index2)
     assert paired.bootstrap_scores(same, spec)["mmlu"].low == 1.0
 

@@ -22,16 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def smoke_cfg(tmp_path, row: str, *extra: str):
     """One row of experiment=smoke (conf/experiment/smoke.yaml), as its sweep launches it, with `extra` overrides."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=one_row([
-            "+experiment=smoke", f"results_dir={tmp_path}", *extra,
-        ], row))
+        return compose(
+            config_name="config",
+            overrides=one_row(
+                [
+                    "+experiment=smoke",
+                    f"results_dir={tmp_path}",
+                    *extra,
+                ],
+                row,
+            ),
+        )
 
 
 def launch(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-m", "mha2mla_exp", *overrides, f"results_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
@@ -46,16 +58,19 @@ def test_smoke_experiment_runs_records_and_skips_on_relaunch(tmp_path):
         assert (tmp_path / "smoke" / name / "config.yaml").exists()
         assert r["kv"]["bytes_per_token_measured"] > 0
         assert r["eval"]["perplexity"]["heldout"] > 1
-        assert 1 <= r["machine"]["torch_threads"] <= os.cpu_count()   # timings depend on it
+        assert 1 <= r["machine"]["torch_threads"] <= os.cpu_count()  # timings depend on it
     variants = {r["variant"] for r in results.values()}
     assert variants == {"original", "partial_rope", "partial_rope+svd"}
     mla = next(r for r in results.values() if r["variant"] == "partial_rope+svd")
     assert mla["kv"]["ratio_measured"] == pytest.approx(mla["kv"]["ratio_nominal"])
     assert mla["train"]["steps"] > 0 and mla["train"]["tokens"] == mla["train"]["steps"] * 32 * 4 * 2
-    assert mla["conversion"]["lowrank_factors"] == FACTOR_SPLIT   # the split its training started from
+    assert mla["conversion"]["lowrank_factors"] == FACTOR_SPLIT  # the split its training started from
     assert "lowrank_factors" not in next(r for r in results.values() if r["variant"] == "partial_rope")["conversion"]
-    curve = [json.loads(line) for line in (records[0].parent / "metrics.jsonl").read_text().splitlines()] \
-        if (records[0].parent / "metrics.jsonl").exists() else []
+    curve = (
+        [json.loads(line) for line in (records[0].parent / "metrics.jsonl").read_text().splitlines()]
+        if (records[0].parent / "metrics.jsonl").exists()
+        else []
+    )
     assert all(a["step"] < b["step"] for a, b in zip(curve, curve[1:]))
 
     stamps = {p: p.stat().st_mtime_ns for p in records}
@@ -104,15 +119,30 @@ def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):
 
 
 def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
-    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "train.lr=5.0", "train.warmup_steps=0",
-                    "train.divergence_factor=1.05", "train.tokens=8192")
+    cfg = smoke_cfg(
+        tmp_path,
+        "mla_2-norm_joint",
+        "train.lr=5.0",
+        "train.warmup_steps=0",
+        "train.divergence_factor=1.05",
+        "train.tokens=8192",
+    )
     record = run(cfg)
     assert record["status"] == "diverged"
     assert "diverged at step" in record["error"]
     again = run(cfg)  # a diverged run is a result: not rerun
     assert again["status"] == "diverged"
-    other_eval = run(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.lr=5.0", "train.warmup_steps=0",
-                               "train.divergence_factor=1.05", "train.tokens=8192", "kv_measure_tokens=32"))
+    other_eval = run(
+        smoke_cfg(
+            tmp_path,
+            "mla_2-norm_joint",
+            "train.lr=5.0",
+            "train.warmup_steps=0",
+            "train.divergence_factor=1.05",
+            "train.tokens=8192",
+            "kv_measure_tokens=32",
+        )
+    )
     assert other_eval["status"] == "diverged" and "kept record" in other_eval["error"]  # known, not retrained
 
 
@@ -127,9 +157,18 @@ def test_invalid_config_exits_before_loading(tmp_path):
 def local_cfg(tmp_path, folder, *extra: str):
     """A runner config for a local model folder, shape facts left to its config.json (conf/model/local.yaml)."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "+experiment=smoke", "model=local", f"model.id={folder}", "train=none", "eval=none",
-            f"results_dir={tmp_path}", *extra])
+        return compose(
+            config_name="config",
+            overrides=[
+                "+experiment=smoke",
+                "model=local",
+                f"model.id={folder}",
+                "train=none",
+                "eval=none",
+                f"results_dir={tmp_path}",
+                *extra,
+            ],
+        )
 
 
 def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
@@ -152,9 +191,13 @@ def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
 
     record = run(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=mla"))
     assert record["status"] == "ok" and record["variant"] == "partial_rope+svd"
-    assert {k: record["mla"][k] for k in ("rope", "r", "svd", "d_kv")} == {"rope": "high", "r": 2, "svd": "joint",
-                                                                        "d_kv": 4}
-    assert record["kv"]["ratio_measured"] == pytest.approx((2 * 2 + 4) / (2 * 16))   # the saved latent's bytes
+    assert {k: record["mla"][k] for k in ("rope", "r", "svd", "d_kv")} == {
+        "rope": "high",
+        "r": 2,
+        "svd": "joint",
+        "d_kv": 4,
+    }
+    assert record["kv"]["ratio_measured"] == pytest.approx((2 * 2 + 4) / (2 * 16))  # the saved latent's bytes
     assert record["train"] is None and record["eval"]["perplexity"]["heldout"] > 1
 
 
@@ -192,7 +235,8 @@ def test_a_deferring_cell_ends_at_once_while_another_process_makes_its_trained_m
 
     cells = tmp_path / "sweep"
     cells.mkdir()
-    (cells / "cells.jsonl").write_text('{"cell": 0, "overrides": "a", "status": "ok"}\n'
-                                       '{"cell": 1, "overrides": "b", "status": "deferred"}\n')
+    (cells / "cells.jsonl").write_text(
+        '{"cell": 0, "overrides": "a", "status": "ok"}\n{"cell": 1, "overrides": "b", "status": "deferred"}\n'
+    )
     with pytest.raises(SweepFailed, match="1 cells deferred"):  # the sweep is not complete: no exit 0
         SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(cells)}}}))

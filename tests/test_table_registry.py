@@ -15,7 +15,7 @@ from mha2mla_exp.aggregate.kinds import Pairwise
 from mha2mla_exp.aggregate.plots import figure_bytes, loss_curves
 from mha2mla_exp.aggregate.table_registry import Entry, Inputs, TableFiles, TableRegistry
 
-FIXTURES = Path(__file__).parent / "fixtures" / "runs"   # experiments table1, table2, table3, table5
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"  # experiments table1, table2, table3, table5
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,10 @@ def test_a_registered_entry_is_built_by_write_aggregate_from_its_experiments_onl
     csv = tmp_path / "with/tables/throwaway_runs.csv"
     assert csv in written and (tmp_path / "with/tables/throwaway_runs.md") in written
     table = pd.read_csv(csv)
-    assert sorted(set(table["experiment"])) == ["table3", "table5"]   # never another experiment's runs
+    assert sorted(set(table["experiment"])) == ["table3", "table5"]  # never another experiment's runs
     assert len(table) == int(agg.runs["experiment"].isin(["table3", "table5"]).sum()) == 4
     assert (tmp_path / "with/tables/throwaway_runs.md").read_text().startswith("# Throwaway: runs\n\none row per run")
-    write_aggregate(agg, tmp_path / "without")   # unregistered: not written
+    write_aggregate(agg, tmp_path / "without")  # unregistered: not written
     assert "throwaway_runs" not in TABLES and not (tmp_path / "without/tables/throwaway_runs.csv").exists()
     assert (tmp_path / "without/tables/table1.csv").exists()
 
@@ -86,11 +86,11 @@ def test_registry_refuses_a_name_twice_and_names_the_known_ones():
     with pytest.raises(ValueError, match="expected one of 'a'"):
         registry.get("b")
     with pytest.raises(TypeError):
-        RunCount(name="c", experiments="table1", caption="")   # a string, not a tuple of names
+        RunCount(name="c", experiments="table1", caption="")  # a string, not a tuple of names
 
 
 def test_two_entries_writing_one_file_fail(agg, tmp_path, registered):
-    clash = registered(RunCount(name="table1_tasks", caption="clash"))   # table1 writes tables/table1_tasks.md
+    clash = registered(RunCount(name="table1_tasks", caption="clash"))  # table1 writes tables/table1_tasks.md
     with pytest.raises(ValueError, match="tables/table1_tasks is written by both 'table1' and 'table1_tasks'"):
         write_aggregate(agg, tmp_path, entries=[TABLES.get("table1"), clash])
 
@@ -105,7 +105,7 @@ def test_the_catalog_declares_the_experiments_it_reads():
 def test_a_second_write_with_nothing_changed_rewrites_nothing(agg, tmp_path):
     first = write_aggregate(agg, tmp_path)
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in first}
-    for path in first:   # an old timestamp: a rewrite would move it
+    for path in first:  # an old timestamp: a rewrite would move it
         os.utime(path, ns=(1_000_000_000, 1_000_000_000))
     second = write_aggregate(build_aggregate([FIXTURES]), tmp_path)
     assert sorted(second) == sorted(first)
@@ -132,4 +132,3 @@ def test_a_pdf_has_the_same_bytes_whenever_it_is_drawn(agg, monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "2000000000")
     assert figure_bytes(figure, "pdf") == early and early.startswith(b"%PDF")
     assert figure_bytes(figure, "png") == figure_bytes(figure, "png")
-

@@ -12,7 +12,13 @@ from safetensors.torch import load_file
 from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.data import prepare_data
 from mha2mla_exp.data.teacher import (
-    eos_ids, first_token_ids, generate_batch, generate_shards, generation_cost, shard_dir, teacher_documents,
+    eos_ids,
+    first_token_ids,
+    generate_batch,
+    generate_shards,
+    generation_cost,
+    shard_dir,
+    teacher_documents,
 )
 from mha2mla_exp.models import build_random_model
 from mha2mla_exp.schema.sections import DataConfig, GenerationConfig
@@ -20,11 +26,29 @@ from tests.conftest import TINY_BYTE_LM
 
 
 def teacher_cfg(**generation) -> DataConfig:
-    gen = {"count": 6, "length": 24, "greedy_tokens": 3, "top_k": 20, "seed": 0, "batch_size": 4,
-           "dtype": "float32"} | generation
-    return typed_section(DataConfig, {"name": "teacher-samples", "source": "teacher", "teacher": TINY_BYTE_LM,
-                                      "generation": gen, "seq_len": 16, "held_out_fraction": 0.3, "split_seed": 0,
-                                      "separator": "eos"}, "data")
+    gen = {
+        "count": 6,
+        "length": 24,
+        "greedy_tokens": 3,
+        "top_k": 20,
+        "seed": 0,
+        "batch_size": 4,
+        "dtype": "float32",
+    } | generation
+    return typed_section(
+        DataConfig,
+        {
+            "name": "teacher-samples",
+            "source": "teacher",
+            "teacher": TINY_BYTE_LM,
+            "generation": gen,
+            "seq_len": 16,
+            "held_out_fraction": 0.3,
+            "split_seed": 0,
+            "separator": "eos",
+        },
+        "data",
+    )
 
 
 @pytest.fixture
@@ -77,7 +101,10 @@ def test_first_tokens_come_from_the_list_or_the_ordinary_vocabulary(teacher):
     vocab = first_token_ids(GenerationConfig(count=1), tokenizer, 200, g)
     assert not set(vocab.tolist()) & set(tokenizer.all_special_ids)
     listed = first_token_ids(GenerationConfig(count=1, first_token="list", first_words=("ab", "c")), tokenizer, 50, g)
-    allowed = {tokenizer(" ab", add_special_tokens=False)["input_ids"][0], tokenizer(" c", add_special_tokens=False)["input_ids"][0]}
+    allowed = {
+        tokenizer(" ab", add_special_tokens=False)["input_ids"][0],
+        tokenizer(" c", add_special_tokens=False)["input_ids"][0],
+    }
     assert set(listed.tolist()) <= allowed
 
 
@@ -88,15 +115,15 @@ def test_an_interrupted_generation_resumes_to_the_same_set_and_more_samples_reus
     complete = shards(cfg)
     assert len(complete) == 2
     folder = shard_dir(cfg)
-    (folder / "shard-00001.safetensors").unlink()          # the batch a crash lost
+    (folder / "shard-00001.safetensors").unlink()  # the batch a crash lost
     (folder / ".shard-00001.safetensors.123.tmp").write_bytes(b"half a file")
     stamp = (folder / "shard-00000.safetensors").stat().st_mtime_ns
     generate_shards(cfg, tokenizer, model=model, progress=False)
     assert {k: v.tolist() for k, v in shards(cfg).items()} == {k: v.tolist() for k, v in complete.items()}
-    assert (folder / "shard-00000.safetensors").stat().st_mtime_ns == stamp   # not written again
+    assert (folder / "shard-00000.safetensors").stat().st_mtime_ns == stamp  # not written again
 
     more = teacher_cfg(count=10)
-    assert shard_dir(more) == folder                                       # the count is not in the key
+    assert shard_dir(more) == folder  # the count is not in the key
     generate_shards(more, tokenizer, model=model, progress=False)
     assert (folder / "shard-00000.safetensors").stat().st_mtime_ns == stamp
     assert len(shards(more)) == 3
@@ -108,8 +135,10 @@ def test_teacher_source_splits_packs_and_caches_like_any_corpus(cache, teacher, 
     model, tokenizer = teacher
     cfg = teacher_cfg(count=16)
     docs = list(teacher_documents(cfg, tokenizer, model=model))
-    monkeypatch.setattr("mha2mla_exp.models.load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("reloaded")))
-    data = prepare_data(cfg, tokenizer)                    # the shards exist: no model is loaded
+    monkeypatch.setattr(
+        "mha2mla_exp.models.load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("reloaded"))
+    )
+    data = prepare_data(cfg, tokenizer)  # the shards exist: no model is loaded
     assert data.stats["documents"]["train"] + data.stats["documents"]["held_out"] == 16
     assert data.stats["documents"]["held_out"] > 0 and data.stats["documents"]["train"] > 0
     assert data.stats["tokens"]["train"] + data.stats["tokens"]["held_out"] == sum(len(d) + 1 for d in docs)
@@ -126,14 +155,20 @@ def test_teacher_source_splits_packs_and_caches_like_any_corpus(cache, teacher, 
 
 def _contains(stream: list[int], doc: list[int]) -> bool:
     n = len(doc)
-    return any(stream[i:i + n] == doc for i in range(len(stream) - n + 1))
+    return any(stream[i : i + n] == doc for i in range(len(stream) - n + 1))
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"count": 0}, "data.generation.count"), ({"temperature": 0}, "data.generation.temperature"),
-    ({"first_token": "list"}, "data.generation.first_words"), ({"colour": 1}, "data.generation.colour"),
-    ({"length": 1}, "data.generation.length"), ({"dtype": "int8"}, "data.generation.dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"count": 0}, "data.generation.count"),
+        ({"temperature": 0}, "data.generation.temperature"),
+        ({"first_token": "list"}, "data.generation.first_words"),
+        ({"colour": 1}, "data.generation.colour"),
+        ({"length": 1}, "data.generation.length"),
+        ({"dtype": "int8"}, "data.generation.dtype"),
+    ],
+)
 def test_bad_generation_settings_are_refused_before_any_work(bad, field):
     from mha2mla_exp.data import check_data_config
 
@@ -142,19 +177,26 @@ def test_bad_generation_settings_are_refused_before_any_work(bad, field):
 
 
 def test_a_run_can_recover_on_teacher_text_while_calibration_and_held_out_stay_on_its_corpus(tmp_path, monkeypatch):
+    from mha2mla_exp.runner import ConfigError, run, validate
     from tests.test_runner import smoke_cfg
 
-    from mha2mla_exp.runner import ConfigError, run, validate
-
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "cache"))
-    extra = ("+data@train.data=teacher_samples", "train.data.generation.count=16", "train.data.generation.length=80",
-             "train.data.generation.batch_size=4", "train.data.generation.dtype=float32", "train.data.seq_len=32",
-             "train.data.held_out_fraction=0.5", "train.tokens=512", "train.epochs_allowed=true")
+    extra = (
+        "+data@train.data=teacher_samples",
+        "train.data.generation.count=16",
+        "train.data.generation.length=80",
+        "train.data.generation.batch_size=4",
+        "train.data.generation.dtype=float32",
+        "train.data.seq_len=32",
+        "train.data.held_out_fraction=0.5",
+        "train.tokens=512",
+        "train.epochs_allowed=true",
+    )
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *extra)
     record = run(cfg)
     assert record["status"] == "ok", record["error"]
     assert record["train_data"]["name"] == "teacher-samples" and record["train_data"]["generation"]["shards"] == 4
-    assert record["data"]["name"] == "sotu"                   # calibration and held-out: the run's corpus
+    assert record["data"]["name"] == "sotu"  # calibration and held-out: the run's corpus
     ppl = record["eval"]["perplexity"]
     assert ppl["heldout"] > 1 and ppl["heldout:teacher-samples"] > 1
     assert len(ppl["row_nll:teacher-samples"]) == len(ppl["row_tokens:teacher-samples"]) > 0
@@ -182,8 +224,9 @@ def test_a_published_set_is_copied_into_a_fresh_cache_instead_of_regenerated(cac
 
     monkeypatch.setattr(teacher_mod, "PUBLISHED_DIR", tmp_path / "published")
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "fresh"))
-    monkeypatch.setattr("mha2mla_exp.models.load_model",
-                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("the teacher was loaded")))
+    monkeypatch.setattr(
+        "mha2mla_exp.models.load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("the teacher was loaded"))
+    )
     assert list(teacher_documents(cfg, tokenizer)) == written
     again = generation_cost(cfg)
     assert (again["tokens"], again["cpu_s"], again["wall_s"]) == (cost["tokens"], cost["cpu_s"], cost["wall_s"])

@@ -11,15 +11,38 @@ from mha2mla_exp.data.rows import FiniteRows, local_rows
 from mha2mla_exp.schema.fields import check_values
 from mha2mla_exp.schema.sections import ObjectiveConfig, TrainConfig
 from mha2mla_exp.train import (
-    FineTuneRecipe, build_objective, check_epochs, finetune, plan_budget, precision_for, pretrain_share_pct,
+    FineTuneRecipe,
+    build_objective,
+    check_epochs,
+    finetune,
+    plan_budget,
+    precision_for,
+    pretrain_share_pct,
 )
 from mha2mla_exp.train import precision as precision_module
 from tests.conftest import tiny_causal_lm
 
-TRAIN = {"tokens": 2048, "pretrain_share_pct": None, "seq_len": 16, "micro_batch_size": 4, "grad_accum": 2,
-         "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "clip": 1.0, "warmup_steps": 2,
-         "decay_fraction": 0.25, "freeze_non_attention": False, "checkpoint_every": 0, "log_every": 1,
-         "divergence_factor": 4.0, "eval_every": 0, "optimizer_impl": "loop", "fused_loss": False}
+TRAIN = {
+    "tokens": 2048,
+    "pretrain_share_pct": None,
+    "seq_len": 16,
+    "micro_batch_size": 4,
+    "grad_accum": 2,
+    "lr": 1e-3,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "clip": 1.0,
+    "warmup_steps": 2,
+    "decay_fraction": 0.25,
+    "freeze_non_attention": False,
+    "checkpoint_every": 0,
+    "log_every": 1,
+    "divergence_factor": 4.0,
+    "eval_every": 0,
+    "optimizer_impl": "loop",
+    "fused_loss": False,
+}
 
 
 def train_cfg(**changes) -> TrainConfig:
@@ -34,8 +57,9 @@ def rows(n=64, seq_len=16, seed=0):
 def run_recipe(tmp_path, mode="fp32", model=None, **changes):
     curve = []
     model = model or tiny_causal_lm("gqa")
-    trained, record = finetune(model, rows(), train_cfg(**changes), tmp_path, precision=precision_for(mode, "cpu"),
-                               seed=0, on_log=curve.append)
+    trained, record = finetune(
+        model, rows(), train_cfg(**changes), tmp_path, precision=precision_for(mode, "cpu"), seed=0, on_log=curve.append
+    )
     return trained, record, curve
 
 
@@ -56,8 +80,8 @@ PINNED_FINAL_LOSS = 4.3891
 def test_global_batch_split_does_not_change_the_rows_read():
     source = rows(n=40)
     step = source.step_rows(3, 8)
-    one = torch.cat([local_rows(step, m, 0, 1, 4) for m in range(2)])             # 1 process x 2 micro-batches
-    two = torch.cat([local_rows(step, 0, p, 2, 4) for p in range(2)])             # 2 processes x 1
+    one = torch.cat([local_rows(step, m, 0, 1, 4) for m in range(2)])  # 1 process x 2 micro-batches
+    two = torch.cat([local_rows(step, 0, p, 2, 4) for p in range(2)])  # 2 processes x 1
     four = torch.cat([local_rows(step, m, p, 2, 2) for m in range(2) for p in range(2)])  # 2 x 2 of 2 rows
     assert torch.equal(one, two) and torch.equal(one, four) and torch.equal(one, step)
     assert plan_budget(train_cfg(), pretrain_tokens=None, num_processes=2).rows_per_step == 16
@@ -72,7 +96,6 @@ def test_the_one_budget_planner_gives_the_papers_share_of_pretraining():
     import importlib.util
 
     from hydra import compose, initialize_config_dir
-
     from omegaconf import OmegaConf
 
     from mha2mla_exp.confutil import CONF_DIR
@@ -105,8 +128,12 @@ def test_budget_above_a_finite_corpus_is_refused_unless_epochs_are_allowed():
 
 def test_auto_precision_is_the_papers_recipe_on_cuda_and_measured_on_cpu(monkeypatch):
     cuda = precision_for("auto", "cuda")
-    assert (cuda.mode, cuda.param_dtype, cuda.compute_dtype, cuda.optimizer_dtype) == \
-        ("bf16-autocast", torch.float32, torch.bfloat16, torch.float32)
+    assert (cuda.mode, cuda.param_dtype, cuda.compute_dtype, cuda.optimizer_dtype) == (
+        "bf16-autocast",
+        torch.float32,
+        torch.bfloat16,
+        torch.float32,
+    )
     monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (4.6, "probe"))
     fast = precision_for("auto", "cpu")
     assert fast.mode == "bf16-autocast" and fast.optimizer_dtype == torch.float32 and "4.60x" in fast.reason
@@ -121,8 +148,11 @@ def test_every_mode_keeps_fp32_master_weights_and_only_bf16_master_keeps_them_ap
     fp32 optimizer), so it needs no separate copy; bf16-master does (bf16 weights), bf16-pure has none."""
     modes = {m: precision_for(m, "cuda") for m in ("fp32", "bf16-autocast", "bf16-master", "bf16-pure")}
     assert {m: p.optimizer_dtype for m, p in modes.items()} == {
-        "fp32": torch.float32, "bf16-autocast": torch.float32, "bf16-master": torch.float32,
-        "bf16-pure": torch.bfloat16}
+        "fp32": torch.float32,
+        "bf16-autocast": torch.float32,
+        "bf16-master": torch.float32,
+        "bf16-pure": torch.bfloat16,
+    }
     assert {m for m, p in modes.items() if p.separate_master_copy} == {"bf16-master"}
     assert not hasattr(modes["bf16-autocast"], "master_weights")  # the name that said False for fp32 masters
 
@@ -161,8 +191,13 @@ def test_master_weights_keep_the_small_updates_bf16_weights_round_away(tmp_path)
     assert next(master.parameters()).dtype == torch.float32  # the exact master weights come back, not their rounding
     assert fraction_changed(before, master) > 0.9
     assert fraction_changed({k: v.to(torch.bfloat16) for k, v in before.items()}, pure) < 0.2
-    assert record["precision"] == {"mode": "bf16-master", "param_dtype": "bfloat16", "compute_dtype": "bfloat16",
-                                   "optimizer_dtype": "float32", "reason": "set in the config"}
+    assert record["precision"] == {
+        "mode": "bf16-master",
+        "param_dtype": "bfloat16",
+        "compute_dtype": "bfloat16",
+        "optimizer_dtype": "float32",
+        "reason": "set in the config",
+    }
 
 
 def test_autocast_trains_fp32_weights_and_leaves_no_autocast_behind(tmp_path):
@@ -179,9 +214,17 @@ def test_autocast_trains_fp32_weights_and_leaves_no_autocast_behind(tmp_path):
 def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path):
     student, teacher = tiny_causal_lm("gqa"), tiny_causal_lm("gqa")
     curve = []
-    recipe = FineTuneRecipe(student, rows(), train_cfg(tokens=256, lr=1e-3), tmp_path,
-                            precision=precision_for("fp32", "cpu"), seed=0, objective=ObjectiveConfig(name="kd"),
-                            teacher=teacher, on_log=curve.append)
+    recipe = FineTuneRecipe(
+        student,
+        rows(),
+        train_cfg(tokens=256, lr=1e-3),
+        tmp_path,
+        precision=precision_for("fp32", "cpu"),
+        seed=0,
+        objective=ObjectiveConfig(name="kd"),
+        teacher=teacher,
+        on_log=curve.append,
+    )
     recipe.run()
     assert curve[0]["loss"] == pytest.approx(0.0, abs=1e-6)  # KL(p || p) = 0 before the first update
 
@@ -192,8 +235,9 @@ def test_objectives_mix_and_check_their_arguments():
     ce, kd = build_objective(ObjectiveConfig("ce")), build_objective(ObjectiveConfig("kd", temperature=2.0))
     half = build_objective(ObjectiveConfig("ce+kd", kd_weight=0.5, temperature=2.0))
     assert half(logits, ids, teacher) == pytest.approx(0.5 * ce(logits, ids) + 0.5 * kd(logits, ids, teacher))
-    assert build_objective(ObjectiveConfig("ce+kd", kd_weight=0.0))(logits, ids, teacher) == \
-        pytest.approx(ce(logits, ids))
+    assert build_objective(ObjectiveConfig("ce+kd", kd_weight=0.0))(logits, ids, teacher) == pytest.approx(
+        ce(logits, ids)
+    )
     reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
     assert ce(logits, ids) == pytest.approx(reference.item())
     with pytest.raises(ValueError, match="unknown objective.name=.mse."):
@@ -202,10 +246,18 @@ def test_objectives_mix_and_check_their_arguments():
         build_objective(ObjectiveConfig("ce", temperature=2.0))
     # the ranges of its arguments are the schema's, checked once at the runner's entry
     assert check_values(ObjectiveConfig("ce+kd", kd_weight=2), "objective.") == [
-        "objective.kd_weight: must lie in [0, 1], got 2"]
+        "objective.kd_weight: must lie in [0, 1], got 2"
+    ]
     with pytest.raises(ValueError, match="needs the original model as teacher"):
-        FineTuneRecipe(tiny_causal_lm("gqa"), rows(), train_cfg(), "/tmp", precision=precision_for("fp32", "cpu"),
-                       seed=0, objective=ObjectiveConfig(name="kd"))
+        FineTuneRecipe(
+            tiny_causal_lm("gqa"),
+            rows(),
+            train_cfg(),
+            "/tmp",
+            precision=precision_for("fp32", "cpu"),
+            seed=0,
+            objective=ObjectiveConfig(name="kd"),
+        )
 
 
 def test_activation_checkpointing_recomputes_to_the_same_losses(tmp_path):

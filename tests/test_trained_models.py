@@ -9,8 +9,9 @@ import json
 import pytest
 
 from mha2mla_exp.runner import ConfigError, run, run_dir_for, stages, trained_model_for, validate
-run_module = importlib.import_module("mha2mla_exp.runner.run")  # the module (the package exports its function)
 from tests.test_runner import smoke_cfg
+
+run_module = importlib.import_module("mha2mla_exp.runner.run")  # the module (the package exports its function)
 
 FAST = ("train.tokens=2048", "train.precision=fp32")
 
@@ -73,8 +74,17 @@ def test_a_budget_that_would_repeat_the_corpus_is_refused_before_loading(tmp_pat
         run(cfg)
     assert not list(tmp_path.rglob("results.json"))
     monkeypatch.undo()
-    allowed = run(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.tokens=400000", "train.epochs_allowed=true",
-                            "train.seq_len=128", "train.checkpoint_every=0", "train.precision=fp32"))
+    allowed = run(
+        smoke_cfg(
+            tmp_path,
+            "mla_2-norm_joint",
+            "train.tokens=400000",
+            "train.epochs_allowed=true",
+            "train.seq_len=128",
+            "train.checkpoint_every=0",
+            "train.precision=fp32",
+        )
+    )
     assert allowed["status"] == "ok"
     assert allowed["train"]["data"]["epochs"] > 1 and allowed["train"]["data"]["fresh_tokens"] is False
 
@@ -86,11 +96,23 @@ def streamed_cfg(tmp_path, *extra):
     words = ["union", "state", "congress", "nation", "peace", "law", "trade", "people", "year", "the", "of"]
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))})
-                            + "\n" for _ in range(600)))
+    path.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))}) + "\n"
+            for _ in range(600)
+        )
+    )
     mixture = f'[{{name: toy, path: json, data_files: "{path}", weight: 1.0, text_field: text}}]'
-    return smoke_cfg(tmp_path / "runs", "mla_2-norm_joint", "data=smollm_corpus", f"data.mixture={mixture}",
-                     "data.held_out_documents=40", "data.seq_len=32", "data.max_documents=null", *extra)
+    return smoke_cfg(
+        tmp_path / "runs",
+        "mla_2-norm_joint",
+        "data=smollm_corpus",
+        f"data.mixture={mixture}",
+        "data.held_out_documents=40",
+        "data.seq_len=32",
+        "data.max_documents=null",
+        *extra,
+    )
 
 
 def test_a_streamed_corpus_trains_on_fresh_rows_and_resumes_exactly(tmp_path):
@@ -107,8 +129,9 @@ def test_a_streamed_corpus_trains_on_fresh_rows_and_resumes_exactly(tmp_path):
     resumed = run(cfg)
     assert resumed["status"] == "ok" and resumed["resumed"] is True
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-6)
-    assert resumed["eval"]["perplexity"]["heldout"] == pytest.approx(reference["eval"]["perplexity"]["heldout"],
-                                                                      rel=1e-6)
+    assert resumed["eval"]["perplexity"]["heldout"] == pytest.approx(
+        reference["eval"]["perplexity"]["heldout"], rel=1e-6
+    )
 
 
 def test_a_run_that_trains_loads_fp32_master_weights_even_where_auto_means_bf16(monkeypatch, tmp_path):
@@ -140,8 +163,9 @@ def test_recipes_from_one_conversion_convert_once_and_train_as_from_a_fresh_one(
 
     monkeypatch.setattr(stages, "convert", no_conversion)
     reused = run(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST, "train.lr=1e-3"))
-    assert reused["reused_conversion"].endswith("__converted-" + validate(
-        smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST)).conversion_hash)
+    assert reused["reused_conversion"].endswith(
+        "__converted-" + validate(smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *FAST)).conversion_hash
+    )
     assert reused["train"]["final_loss"] == pytest.approx(fresh["train"]["final_loss"], abs=1e-6)
     assert reused["rope_pairs"] == fresh["rope_pairs"]
     assert reused["model"]["params_original"] == fresh["model"]["params_original"]

@@ -32,11 +32,11 @@ from omegaconf import OmegaConf
 class RowsSweeperConf:
     _target_: str = "hydra_plugins.rows_sweeper.rows_sweeper.RowsSweeper"
     max_batch_size: Optional[int] = None
-    params: Optional[Dict[str, str]] = None       # cartesian, over every row
-    rows: Optional[Dict[str, Any]] = None         # name -> list of overrides
-    budget: Optional[str] = None                  # which entry of `at` applies
-    at: Optional[Dict[str, Any]] = None           # budget -> {rows: replaces `rows`, params: added to `params`}
-    only: Optional[List[str]] = None              # run only these rows
+    params: Optional[Dict[str, str]] = None  # cartesian, over every row
+    rows: Optional[Dict[str, Any]] = None  # name -> list of overrides
+    budget: Optional[str] = None  # which entry of `at` applies
+    at: Optional[Dict[str, Any]] = None  # budget -> {rows: replaces `rows`, params: added to `params`}
+    only: Optional[List[str]] = None  # run only these rows
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="rows", node=RowsSweeperConf, provider="mha2mla_exp")
@@ -46,8 +46,13 @@ def plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def grid(params: Optional[dict], rows: Optional[dict], budget: Optional[str] = None, at: Optional[dict] = None,
-         only: Optional[Sequence[str]] = None) -> "OrderedDict[str, List[str]]":
+def grid(
+    params: Optional[dict],
+    rows: Optional[dict],
+    budget: Optional[str] = None,
+    at: Optional[dict] = None,
+    only: Optional[Sequence[str]] = None,
+) -> "OrderedDict[str, List[str]]":
     """The rows to run, each as its overrides with the params appended: name -> overrides."""
     params, rows, at = plain(params) or {}, plain(rows) or {}, plain(at) or {}
     here = at.get(budget) or {} if budget is not None else {}
@@ -93,9 +98,15 @@ def jobs(rows: "OrderedDict[str, List[str]]", arguments: Sequence[str], parser: 
 
 
 class RowsSweeper(BasicSweeper):
-    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict] = None,
-                 rows: Optional[dict] = None, budget: Optional[str] = None, at: Optional[dict] = None,
-                 only: Optional[List[str]] = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: Optional[int] = None,
+        params: Optional[dict] = None,
+        rows: Optional[dict] = None,
+        budget: Optional[str] = None,
+        at: Optional[dict] = None,
+        only: Optional[List[str]] = None,
+    ) -> None:
         super().__init__(max_batch_size=max_batch_size, params=None)
         self.rows = grid(params, rows, budget, at, only)
         self._jobs: List[List[str]] = []

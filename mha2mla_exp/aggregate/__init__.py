@@ -11,13 +11,35 @@ experiments, its kind (`kinds.py`: the builder) and its caption. How to add one:
 """
 
 from .pipeline import Aggregate, build_aggregate, results_root, write_aggregate
-from .plots import (kv_memory_vs_avg, long_context_vs_length, loss_curves, recovery_curves, save_figure,
-                    strategy_comparison)
+from .plots import (
+    kv_memory_vs_avg,
+    long_context_vs_length,
+    loss_curves,
+    recovery_curves,
+    save_figure,
+    strategy_comparison,
+)
 from .records import canonical_runs, load_runs, training_curves
 from .table_registry import TABLES, Entry, Inputs, PlotFiles, TableFiles, register
 
 __all__ = [
-    "Aggregate", "build_aggregate", "write_aggregate", "results_root", "TABLES", "register", "Entry", "Inputs",
-    "TableFiles", "PlotFiles", "load_runs", "canonical_runs", "training_curves", "kv_memory_vs_avg",
-    "strategy_comparison", "loss_curves", "long_context_vs_length", "recovery_curves", "save_figure",
+    "Aggregate",
+    "build_aggregate",
+    "write_aggregate",
+    "results_root",
+    "TABLES",
+    "register",
+    "Entry",
+    "Inputs",
+    "TableFiles",
+    "PlotFiles",
+    "load_runs",
+    "canonical_runs",
+    "training_curves",
+    "kv_memory_vs_avg",
+    "strategy_comparison",
+    "loss_curves",
+    "long_context_vs_length",
+    "recovery_curves",
+    "save_figure",
 ]

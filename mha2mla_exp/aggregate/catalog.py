@@ -13,41 +13,77 @@ those runs.
 from __future__ import annotations
 
 from . import plots
-from .kinds import (DtypeCheck, PaperTable, Pairwise, PerplexityPairs, PerplexityView, Plot, RecoveryCurves,
-                    RecoveryStudy, ReferenceConverter, ZeroShot)
+from .kinds import (
+    DtypeCheck,
+    Pairwise,
+    PaperTable,
+    PerplexityPairs,
+    PerplexityView,
+    Plot,
+    RecoveryCurves,
+    RecoveryStudy,
+    ReferenceConverter,
+    ZeroShot,
+)
 from .records import COMMONSENSE, LONGBENCH
 from .table_registry import register
 from .tables import TableSpec, select_table1, select_table2, select_table3, select_table5
 
-TEACHER_RECOVERY_GOAL = -2.0   # issue 23: Avg points against the original, a dashed line on its plots
+TEACHER_RECOVERY_GOAL = -2.0  # issue 23: Avg points against the original, a dashed line on its plots
 
-BASELINE_NOTE = ("Baseline (column vs): a converted model against the full-attention model fine-tuned on the same "
-                 "tokens (the original when neither was fine-tuned); the full-attention fine-tune against the "
-                 "original. ")
+BASELINE_NOTE = (
+    "Baseline (column vs): a converted model against the full-attention model fine-tuned on the same "
+    "tokens (the original when neither was fine-tuned); the full-attention fine-tune against the "
+    "original. "
+)
 
 # ------------------------------------------------------------------ the paper's tables, our rows beside its rows
-register(PaperTable(
-    name="table1", caption="Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv",
-    note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + BASELINE_NOTE,
-    spec=TableSpec("commonsense", select_table1, "avg", COMMONSENSE, paper_table=1, with_kv_memory=True),
-    plot=("kv_memory_vs_avg", plots.kv_memory_vs_avg)))
-register(PaperTable(
-    name="table2", caption="Table 2: long context by KV-cache precision",
-    note="Ours: passkey retrieval (offline long-context suite; LongBench Avg beside where a run has it), the "
-         "paper's: LongBench. Every row against the same model family's original with an unquantized cache. KV "
-         "bytes are measured (residual full-precision tokens and quantization scales included); the paper's KV "
-         "memory is nominal, against a BF16 cache.",
-    spec=TableSpec("long_context", select_table2, "longbench.avg", LONGBENCH, paper_table=2, by_precision=True,
-                   with_kv_memory=True, extras={"longbench.avg": "longbench_avg"})))
-register(PaperTable(
-    name="table3", caption="Table 3: partial-RoPE strategies, without and with SVD (joint vs split)",
-    note="r = d_h/16; SVD rows at d_kv = d_h/4. " + BASELINE_NOTE,
-    spec=TableSpec("commonsense", select_table3, "avg", COMMONSENSE, paper_table=3),
-    plot=("strategy_comparison", plots.strategy_comparison)))
-register(PaperTable(
-    name="table5", caption="Table 5: partial-RoPE strategies by r",
-    note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + BASELINE_NOTE,
-    spec=TableSpec("commonsense", select_table5, "avg", COMMONSENSE, paper_table=5)))
+register(
+    PaperTable(
+        name="table1",
+        caption="Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv",
+        note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + BASELINE_NOTE,
+        spec=TableSpec("commonsense", select_table1, "avg", COMMONSENSE, paper_table=1, with_kv_memory=True),
+        plot=("kv_memory_vs_avg", plots.kv_memory_vs_avg),
+    )
+)
+register(
+    PaperTable(
+        name="table2",
+        caption="Table 2: long context by KV-cache precision",
+        note="Ours: passkey retrieval (offline long-context suite; LongBench Avg beside where a run has it), the "
+        "paper's: LongBench. Every row against the same model family's original with an unquantized cache. KV "
+        "bytes are measured (residual full-precision tokens and quantization scales included); the paper's KV "
+        "memory is nominal, against a BF16 cache.",
+        spec=TableSpec(
+            "long_context",
+            select_table2,
+            "longbench.avg",
+            LONGBENCH,
+            paper_table=2,
+            by_precision=True,
+            with_kv_memory=True,
+            extras={"longbench.avg": "longbench_avg"},
+        ),
+    )
+)
+register(
+    PaperTable(
+        name="table3",
+        caption="Table 3: partial-RoPE strategies, without and with SVD (joint vs split)",
+        note="r = d_h/16; SVD rows at d_kv = d_h/4. " + BASELINE_NOTE,
+        spec=TableSpec("commonsense", select_table3, "avg", COMMONSENSE, paper_table=3),
+        plot=("strategy_comparison", plots.strategy_comparison),
+    )
+)
+register(
+    PaperTable(
+        name="table5",
+        caption="Table 5: partial-RoPE strategies by r",
+        note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + BASELINE_NOTE,
+        spec=TableSpec("commonsense", select_table5, "avg", COMMONSENSE, paper_table=5),
+    )
+)
 
 # ------------------------------------------------------------------ plots over every run
 register(Plot(name="loss_curves", draw=lambda inputs: plots.loss_curves(inputs.curves)))
@@ -57,48 +93,108 @@ register(RecoveryCurves(name="recovery_study_curves", experiments=("recovery_stu
 register(RecoveryCurves(name="teacher_recovery_curves", experiments=("teacher_recovery",)))
 
 # ------------------------------------------------------------------ every pair of one experiment's rows
-register(Pairwise(name="headline", experiments=("headline",),
-                  caption="Experiment headline: every pair of its rows on the same docs"))
-register(Pairwise(name="recovery", experiments=("recovery",),
-                  caption="Experiment recovery: every pair of its rows on the same docs"))
-register(Pairwise(name="cpu10x_table1", experiments=("cpu10x_table1",),
-                  caption="Experiment cpu10x_table1: every pair of its rows on the same docs"))
-register(Pairwise(name="passkey_nope", experiments=("passkey_nope",), suite="long_context",
-                  caption="Experiment passkey_nope: every pair of its rows on the same docs"))
-register(Pairwise(name="teacher_recovery_pairs", experiments=("teacher_recovery",),
-                  caption="Experiment teacher_recovery: every pair of its rows on the same docs",
-                  against="original", goal=TEACHER_RECOVERY_GOAL))
+register(
+    Pairwise(
+        name="headline",
+        experiments=("headline",),
+        caption="Experiment headline: every pair of its rows on the same docs",
+    )
+)
+register(
+    Pairwise(
+        name="recovery",
+        experiments=("recovery",),
+        caption="Experiment recovery: every pair of its rows on the same docs",
+    )
+)
+register(
+    Pairwise(
+        name="cpu10x_table1",
+        experiments=("cpu10x_table1",),
+        caption="Experiment cpu10x_table1: every pair of its rows on the same docs",
+    )
+)
+register(
+    Pairwise(
+        name="passkey_nope",
+        experiments=("passkey_nope",),
+        suite="long_context",
+        caption="Experiment passkey_nope: every pair of its rows on the same docs",
+    )
+)
+register(
+    Pairwise(
+        name="teacher_recovery_pairs",
+        experiments=("teacher_recovery",),
+        caption="Experiment teacher_recovery: every pair of its rows on the same docs",
+        against="original",
+        goal=TEACHER_RECOVERY_GOAL,
+    )
+)
 
 # ------------------------------------------------------------------ conversions without fine-tuning
-register(ZeroShot(name="rorope_zero_shot", experiments=("rorope_zero_shot",),
-                  caption="Experiment rorope_zero_shot: conversions without fine-tuning at equal KV bytes"))
-register(ZeroShot(name="budget_zero_shot", experiments=("budget_zero_shot",),
-                  caption="Experiment budget_zero_shot: conversions without fine-tuning at equal KV bytes"))
-register(ReferenceConverter(
-    name="budget_vs_transmla", experiments=("rorope_zero_shot", "budget_zero_shot"), reference_dir="transmla",
-    caption="Zero-shot held-out perplexity at equal cached elements per token and layer: ours and TransMLA's own "
-            "converter",
-    note="The same SmolLM2-135M, the same 32 x 256 calibration rows and the same 32 x 512 held-out rows (original "
-         "31.1); TransMLA run by scripts/transmla_reference.py (results/transmla/README.md); one conversion each, "
-         "deterministic given the calibration rows. ours / TransMLA: the perplexity ratio with a paired bootstrap "
-         "95% interval over the 32 held-out rows; 'not resolved': it contains 1."))
+register(
+    ZeroShot(
+        name="rorope_zero_shot",
+        experiments=("rorope_zero_shot",),
+        caption="Experiment rorope_zero_shot: conversions without fine-tuning at equal KV bytes",
+    )
+)
+register(
+    ZeroShot(
+        name="budget_zero_shot",
+        experiments=("budget_zero_shot",),
+        caption="Experiment budget_zero_shot: conversions without fine-tuning at equal KV bytes",
+    )
+)
+register(
+    ReferenceConverter(
+        name="budget_vs_transmla",
+        experiments=("rorope_zero_shot", "budget_zero_shot"),
+        reference_dir="transmla",
+        caption="Zero-shot held-out perplexity at equal cached elements per token and layer: ours and TransMLA's own "
+        "converter",
+        note="The same SmolLM2-135M, the same 32 x 256 calibration rows and the same 32 x 512 held-out rows (original "
+        "31.1); TransMLA run by scripts/transmla_reference.py (results/transmla/README.md); one conversion each, "
+        "deterministic given the calibration rows. ours / TransMLA: the perplexity ratio with a paired bootstrap "
+        "95% interval over the 32 held-out rows; 'not resolved': it contains 1.",
+    )
+)
 
 # ------------------------------------------------------------------ held-out perplexity, one factor at a time
-register(PerplexityPairs(
-    name="cpu10x_perplexity", experiments=("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1"),
-    caption="Held-out perplexity, every pair of rows of cpu10x_table3, cpu10x_table5, cpu10x_seed1, cpu10x_table1 "
-            "that differs in one factor"))
+register(
+    PerplexityPairs(
+        name="cpu10x_perplexity",
+        experiments=("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1"),
+        caption="Held-out perplexity, every pair of rows of cpu10x_table3, cpu10x_table5, cpu10x_seed1, cpu10x_table1 "
+        "that differs in one factor",
+    )
+)
 
 # ------------------------------------------------------------------ recovery studies
-register(RecoveryStudy(name="recovery_study", experiments=("recovery_study",),
-                       caption="Experiment recovery_study: recovery recipes at equal compute"))
-register(RecoveryStudy(name="teacher_recovery", experiments=("teacher_recovery",),
-                       caption="Experiment teacher_recovery: recovery recipes at equal compute",
-                       goal=TEACHER_RECOVERY_GOAL))
+register(
+    RecoveryStudy(
+        name="recovery_study",
+        experiments=("recovery_study",),
+        caption="Experiment recovery_study: recovery recipes at equal compute",
+    )
+)
+register(
+    RecoveryStudy(
+        name="teacher_recovery",
+        experiments=("teacher_recovery",),
+        caption="Experiment teacher_recovery: recovery recipes at equal compute",
+        goal=TEACHER_RECOVERY_GOAL,
+    )
+)
 
 # ------------------------------------------------------------------ every run
 register(DtypeCheck(name="dtype_check", caption="The same model on the same docs, evaluated in two dtypes"))
-register(PerplexityView(
-    name="perplexity", caption="Held-out perplexity and the compute behind it, every ok run",
-    note="heldout_ppl on the data's held-out split (whole documents never trained on); seconds are wall-clock on "
-         "the run's machine (see runs.csv / results.json)."))
+register(
+    PerplexityView(
+        name="perplexity",
+        caption="Held-out perplexity and the compute behind it, every ok run",
+        note="heldout_ppl on the data's held-out split (whole documents never trained on); seconds are wall-clock on "
+        "the run's machine (see runs.csv / results.json).",
+    )
+)

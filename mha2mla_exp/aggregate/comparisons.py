@@ -18,8 +18,10 @@ from .records import COMMONSENSE, METHODS, ROW_KEYS
 from .render import eval_docs_label, row_label
 from .tables import TableSpec, _key, _samples, delta, row_cells, rows_of_ours
 
-_ALL = {suite: TableSpec(suite, lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
-        for suite in ("commonsense", "long_context")}
+_ALL = {
+    suite: TableSpec(suite, lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
+    for suite in ("commonsense", "long_context")
+}
 
 
 def _ok(runs: pd.DataFrame) -> pd.DataFrame:
@@ -38,9 +40,10 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
     ours = _ok(runs)
     ours = ours[ours["experiment"] == experiment] if len(ours) else ours
     rows = rows_of_ours(_ALL[suite], ours) if len(ours) else []
-    rows = sorted((r for r in rows if "avg" in r.scores),
-                  key=lambda r: (METHODS.index(r.key["method"]) if r.key["method"] in METHODS else 9,
-                                 r.key["train_tokens"] or 0))
+    rows = sorted(
+        (r for r in rows if "avg" in r.scores),
+        key=lambda r: (METHODS.index(r.key["method"]) if r.key["method"] in METHODS else 9, r.key["train_tokens"] or 0),
+    )
     records = []
     for a, b in itertools.combinations(rows, 2):
         if not same_docs(a, b):
@@ -48,9 +51,17 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
         diff = delta(b, a)
         tasks = COMMONSENSE if suite == "commonsense" else list(b.spec.metric)
         cells = row_cells(b, diff, _ALL[suite].score, tasks)
-        records.append({"B": _label(b), "A": _label(a), "eval docs": eval_docs_label(b.runs[0]),
-                        "A avg": a.scores["avg"], "B recovery text ppl": _recovery_text_ppl(b)} | cells | {
-            "verdict": _verdict(diff.get("avg"))})
+        records.append(
+            {
+                "B": _label(b),
+                "A": _label(a),
+                "eval docs": eval_docs_label(b.runs[0]),
+                "A avg": a.scores["avg"],
+                "B recovery text ppl": _recovery_text_ppl(b),
+            }
+            | cells
+            | {"verdict": _verdict(diff.get("avg"))}
+        )
     return pd.DataFrame.from_records(records)
 
 
@@ -90,15 +101,19 @@ def dtype_check(runs: pd.DataFrame) -> pd.DataFrame:
             frames = [_samples(r.runs[0]["samples_file"]) for r in (reference, other)]
             agree = paired.answer_agreement(*frames, spec)
             diff = delta(other, reference)
-            record = {"model": _label(other), "eval docs": eval_docs_label(other.runs[0]).split(" · ")[0],
-                      "reference": "FP32", "dtype": other.key["eval_dtype"],
-                      "same answers": agree["all"][0], "docs": agree["all"][1],
-                      "same answers %": 100 * agree["all"][0] / agree["all"][1]}
+            record = {
+                "model": _label(other),
+                "eval docs": eval_docs_label(other.runs[0]).split(" · ")[0],
+                "reference": "FP32",
+                "dtype": other.key["eval_dtype"],
+                "same answers": agree["all"][0],
+                "docs": agree["all"][1],
+                "same answers %": 100 * agree["all"][0] / agree["all"][1],
+            }
             for column, (same, n) in agree.items():
                 if column != "all":
                     record[f"{column} same %"] = 100 * same / n
             record |= {"avg FP32": reference.scores["avg"], "avg": other.scores["avg"]}
-            record |= {k: v for k, v in row_cells(other, diff, "avg", COMMONSENSE).items()
-                       if k.startswith("avg_delta")}
+            record |= {k: v for k, v in row_cells(other, diff, "avg", COMMONSENSE).items() if k.startswith("avg_delta")}
             records.append(record)
     return pd.DataFrame.from_records(records)

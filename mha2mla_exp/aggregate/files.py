@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 _UMASK = os.umask(0)
-os.umask(_UMASK)   # read once: what a plain open() would give a new file
+os.umask(_UMASK)  # read once: what a plain open() would give a new file
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -25,7 +25,7 @@ def write_bytes(path: Path, data: bytes) -> Path:
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(data)
-        os.chmod(temporary, 0o666 & ~_UMASK)   # mkstemp's 0600 would hide it from other users
+        os.chmod(temporary, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide it from other users
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

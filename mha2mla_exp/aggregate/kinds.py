@@ -33,8 +33,9 @@ def _seeds_note(table: pd.DataFrame) -> str:
     """How many seeds the rows of a recovery table stand on."""
     if table["seeds"].max() <= 1:
         return "one seed each."
-    return ("one seed a row, except where it names several: their per-document mean (seconds and perplexities: "
-            "their mean).")
+    return (
+        "one seed a row, except where it names several: their per-document mean (seconds and perplexities: their mean)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,24 +56,37 @@ class PaperTable(Entry):
     def build(self, inputs: Inputs) -> list[Artifact]:
         table = inputs.tables[self.name] if self.name in inputs.tables else self.table(inputs.runs)
         spec = self.spec
-        note = self.note + (" Ours in percentage points; ± and [ ] are 95% intervals (paired bootstrap over the "
-                            "same docs, or unpaired binomial where a run has no per-document results); "
-                            "'not resolved': the interval contains 0. Full numbers: " + self.name + ".csv."
-                            if inputs.n_ok else " No run records were found: our columns are empty.")
+        note = self.note + (
+            " Ours in percentage points; ± and [ ] are 95% intervals (paired bootstrap over the "
+            "same docs, or unpaired binomial where a run has no per-document results); "
+            "'not resolved': the interval contains 0. Full numbers: " + self.name + ".csv."
+            if inputs.n_ok
+            else " No run records were found: our columns are empty."
+        )
         commonsense = spec.suite == "commonsense"
-        scores, deltas = task_views(table, list(spec.paper_tasks) if commonsense else _passkey_columns(table),
-                                    commonsense)
-        out = [TableFiles(self.name, {"": main_view(table, spec.by_precision, spec.with_kv_memory)}, self.caption,
-                          note, csv=table),
-               TableFiles(f"{self.name}_tasks", {"Scores, ours / paper": scores, "Δ vs baseline [95% CI]": deltas},
-                          self.caption + ", per task", note)]
+        scores, deltas = task_views(
+            table, list(spec.paper_tasks) if commonsense else _passkey_columns(table), commonsense
+        )
+        out = [
+            TableFiles(
+                self.name, {"": main_view(table, spec.by_precision, spec.with_kv_memory)}, self.caption, note, csv=table
+            ),
+            TableFiles(
+                f"{self.name}_tasks",
+                {"Scores, ours / paper": scores, "Δ vs baseline [95% CI]": deltas},
+                self.caption + ", per task",
+                note,
+            ),
+        ]
         if self.plot is not None:
             out.append(PlotFiles(self.plot[0], self.plot[1](table)))
         return out
 
 
-PAIRWISE_NOTE = ("B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
-                 "(resampled within each task); 'not resolved': the interval contains 0.")
+PAIRWISE_NOTE = (
+    "B minus A in percentage points; [ ] a paired bootstrap 95% interval over the same documents "
+    "(resampled within each task); 'not resolved': the interval contains 0."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,21 +106,35 @@ class Pairwise(Entry):
         if not len(pairs):
             return []
         tasks = list(COMMONSENSE) if self.suite == "commonsense" else _passkey_columns(pairs)
-        out: list[Artifact] = [TableFiles(self.name, pairwise_views(pairs, tasks), self.caption, self.note,
-                                          csv=pairs)]
+        out: list[Artifact] = [TableFiles(self.name, pairwise_views(pairs, tasks), self.caption, self.note, csv=pairs)]
         if self.against is not None:
             experiment, reference = self.experiment, self.against
-            out += [PlotFiles(f"{self.name}_vs_{reference}", plots.score_deltas_vs(
-                        pairs, reference, f"Experiment {experiment}: each row against the {reference} model, paired",
-                        self.goal)),
-                    PlotFiles(f"{self.name}_vs_recovery_ppl", plots.scores_vs_recovery_ppl(
-                        pairs, reference, f"Experiment {experiment}: what a row keeps against how well it fits the "
-                        "text it recovered on"))]
+            out += [
+                PlotFiles(
+                    f"{self.name}_vs_{reference}",
+                    plots.score_deltas_vs(
+                        pairs,
+                        reference,
+                        f"Experiment {experiment}: each row against the {reference} model, paired",
+                        self.goal,
+                    ),
+                ),
+                PlotFiles(
+                    f"{self.name}_vs_recovery_ppl",
+                    plots.scores_vs_recovery_ppl(
+                        pairs,
+                        reference,
+                        f"Experiment {experiment}: what a row keeps against how well it fits the text it recovered on",
+                    ),
+                ),
+            ]
         return out
 
 
-ZERO_SHOT_NOTE = ("Held-out perplexity on the same held-out rows for every conversion, one seed (deterministic given "
-                  "the calibration rows); × original: its multiple of the original model's perplexity.")
+ZERO_SHOT_NOTE = (
+    "Held-out perplexity on the same held-out rows for every conversion, one seed (deterministic given "
+    "the calibration rows); × original: its multiple of the original model's perplexity."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,13 +163,17 @@ class ReferenceConverter(Entry):
         comparison = budget_comparison(inputs.runs, reference_conversions(results_root() / self.reference_dir))
         if not len(comparison):
             return []
-        return [TableFiles(self.name, {"": comparison}, self.caption, self.note, csv=comparison),
-                PlotFiles(self.name, plots.budget_vs_reference(comparison))]
+        return [
+            TableFiles(self.name, {"": comparison}, self.caption, self.note, csv=comparison),
+            PlotFiles(self.name, plots.budget_vs_reference(comparison)),
+        ]
 
 
-PERPLEXITY_PAIRS_NOTE = ("B/A: perplexity ratio (below 1: B better) with a paired bootstrap 95% interval over the same "
-                         "held-out rows; per seed: the ratio of the runs with that seed; verdict: resolved only when "
-                         "the interval excludes 1 and every seed agrees (mha2mla_exp/aggregate/perplexity_pairs.py).")
+PERPLEXITY_PAIRS_NOTE = (
+    "B/A: perplexity ratio (below 1: B better) with a paired bootstrap 95% interval over the same "
+    "held-out rows; per seed: the ratio of the runs with that seed; verdict: resolved only when "
+    "the interval excludes 1 and every seed agrees (mha2mla_exp/aggregate/perplexity_pairs.py)."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,23 +190,33 @@ class PerplexityPairs(Entry):
             return []
         view = perplexity_pairs_view(pairs)
         title = f"Held-out perplexity, pairs of rows of {', '.join(self.experiments)}"
-        return [TableFiles(self.name, {"": view}, self.caption, self.note, csv=view),
-                PlotFiles(self.name, plots.perplexity_ratios(pairs, title))]
+        return [
+            TableFiles(self.name, {"": view}, self.caption, self.note, csv=view),
+            PlotFiles(self.name, plots.perplexity_ratios(pairs, title)),
+        ]
 
 
-RECOVERY_NOTE = ("Seconds: wall-clock on the run's machine, layer-wise distillation (ILD) + fine-tune, held-out "
-                 "probes excluded; ppl @ N s: the probe curve (held-out rows of train.eval_batches) read at the "
-                 "shortest run's seconds; final ppl: eval.perplexity's held-out rows; Avg: commonsense, points, "
-                 "paired bootstrap vs the paper's recipe (ce, all parameters) on the same docs; ")
-GRID_NOTE = ("delta [low, high]: Avg − original in points with a paired bootstrap 95% interval over the same "
-             "documents; differs: what sets a control apart from its recovery's usual recipe in this experiment; ")
-MATRIX_NOTE = ("Avg − original in points [paired bootstrap 95% interval over the same documents]; n.r.: not resolved "
-               "(the interval holds 0); each cell the recovery's usual recipe (controls: the grid table); empty: not "
-               "run; ")
-INTERACTIONS_NOTE = ("at a, at b: the contrast's Avg difference in points at each of two rows of the matrix; a − b: "
-                     "their difference (an interaction) on the same documents, paired bootstrap 95% interval; n.r.: "
-                     "not resolved; every pair of rows that ran both recoveries, so about one interval in twenty "
-                     "excludes 0 by chance; ")
+RECOVERY_NOTE = (
+    "Seconds: wall-clock on the run's machine, layer-wise distillation (ILD) + fine-tune, held-out "
+    "probes excluded; ppl @ N s: the probe curve (held-out rows of train.eval_batches) read at the "
+    "shortest run's seconds; final ppl: eval.perplexity's held-out rows; Avg: commonsense, points, "
+    "paired bootstrap vs the paper's recipe (ce, all parameters) on the same docs; "
+)
+GRID_NOTE = (
+    "delta [low, high]: Avg − original in points with a paired bootstrap 95% interval over the same "
+    "documents; differs: what sets a control apart from its recovery's usual recipe in this experiment; "
+)
+MATRIX_NOTE = (
+    "Avg − original in points [paired bootstrap 95% interval over the same documents]; n.r.: not resolved "
+    "(the interval holds 0); each cell the recovery's usual recipe (controls: the grid table); empty: not "
+    "run; "
+)
+INTERACTIONS_NOTE = (
+    "at a, at b: the contrast's Avg difference in points at each of two rows of the matrix; a − b: "
+    "their difference (an interaction) on the same documents, paired bootstrap 95% interval; n.r.: "
+    "not resolved; every pair of rows that ran both recoveries, so about one interval in twenty "
+    "excludes 0 by chance; "
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +230,7 @@ class RecoveryStudy(Entry):
 
     def build(self, inputs: Inputs) -> list[Artifact]:
         experiment = self.experiment
-        rows = scored_rows(inputs.runs, experiment)   # per-document results, read once for every table below
+        rows = scored_rows(inputs.runs, experiment)  # per-document results, read once for every table below
         out: list[Artifact] = []
         table = recovery_table(inputs.runs, inputs.probes, experiment, rows)
         if len(table):
@@ -197,31 +239,55 @@ class RecoveryStudy(Entry):
         if not len(grid):
             return out
         shown = grid.drop(columns=["run_dir", "own corpus"]).round({c: 2 for c in ("avg", "delta", "low", "high")})
-        shown["lr"] = shown["lr"].map(lambda lr: "" if pd.isna(lr) else f"{lr:g}")   # 3e-4, not 0.00
+        shown["lr"] = shown["lr"].map(lambda lr: "" if pd.isna(lr) else f"{lr:g}")  # 3e-4, not 0.00
         seeds = _seeds_note(grid)
         matrix = recovery_matrix(grid)
-        out += [TableFiles(f"{self.name}_grid", {"": shown},
-                           f"Experiment {experiment}: the ingredient grid, each row against the original",
-                           GRID_NOTE + seeds, csv=shown),
-                TableFiles(f"{self.name}_matrix", {"": matrix},
-                           f"Experiment {experiment}: conversion x recovery, each against the original",
-                           MATRIX_NOTE + seeds, csv=matrix)]
+        out += [
+            TableFiles(
+                f"{self.name}_grid",
+                {"": shown},
+                f"Experiment {experiment}: the ingredient grid, each row against the original",
+                GRID_NOTE + seeds,
+                csv=shown,
+            ),
+            TableFiles(
+                f"{self.name}_matrix",
+                {"": matrix},
+                f"Experiment {experiment}: conversion x recovery, each against the original",
+                MATRIX_NOTE + seeds,
+                csv=matrix,
+            ),
+        ]
         interactions = recovery_interactions(inputs.runs, experiment, grid, rows)
         if len(interactions):
             shown = interactions.drop(columns=["estimate", "low", "high", "resolved"])
-            out.append(TableFiles(
-                f"{self.name}_interactions", {"": shown},
-                f"Experiment {experiment}: does what an ingredient buys depend on the conversion or the budget?",
-                INTERACTIONS_NOTE + seeds, csv=shown))
-        out.append(PlotFiles(f"{self.name}_grid", plots.recovery_grid(
-            grid, f"Experiment {experiment}: what each conversion keeps after each recovery, against the original",
-            self.goal)))
+            out.append(
+                TableFiles(
+                    f"{self.name}_interactions",
+                    {"": shown},
+                    f"Experiment {experiment}: does what an ingredient buys depend on the conversion or the budget?",
+                    INTERACTIONS_NOTE + seeds,
+                    csv=shown,
+                )
+            )
+        out.append(
+            PlotFiles(
+                f"{self.name}_grid",
+                plots.recovery_grid(
+                    grid,
+                    f"Experiment {experiment}: what each conversion keeps after each recovery, against the original",
+                    self.goal,
+                ),
+            )
+        )
         return out
 
 
-DTYPE_NOTE = ("same answers: documents whose scored choice (argmax of length-normalised log-likelihood; Winogrande: "
-              "of log-likelihood) is the same in both dtypes, per task in %; Δ: the other dtype's Avg minus FP32's, "
-              "paired bootstrap 95% interval.")
+DTYPE_NOTE = (
+    "same answers: documents whose scored choice (argmax of length-normalised log-likelihood; Winogrande: "
+    "of log-likelihood) is the same in both dtypes, per task in %; Δ: the other dtype's Avg minus FP32's, "
+    "paired bootstrap 95% interval."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,8 +301,9 @@ class DtypeCheck(Entry):
         check = comparisons.dtype_check(inputs.runs)
         if not len(check):
             return []
-        return [TableFiles(self.name, {"": dtype_view(check, list(COMMONSENSE_PARTS))}, self.caption, self.note,
-                           csv=check)]
+        return [
+            TableFiles(self.name, {"": dtype_view(check, list(COMMONSENSE_PARTS))}, self.caption, self.note, csv=check)
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,15 @@ N_BOOTSTRAP = 4000
 BOOTSTRAP_SEED = 20250220
 
 # column -> {record column: weight}; the paper's Avg and its ARC
-COMMONSENSE_WEIGHTS = {"mmlu": 1 / 6, "arc_easy": 1 / 12, "arc_challenge": 1 / 12, "piqa": 1 / 6,
-                       "hellaswag": 1 / 6, "openbookqa": 1 / 6, "winogrande": 1 / 6}
+COMMONSENSE_WEIGHTS = {
+    "mmlu": 1 / 6,
+    "arc_easy": 1 / 12,
+    "arc_challenge": 1 / 12,
+    "piqa": 1 / 6,
+    "hellaswag": 1 / 6,
+    "openbookqa": 1 / 6,
+    "winogrande": 1 / 6,
+}
 DERIVED = {"arc": {"arc_easy": 0.5, "arc_challenge": 0.5}}
 
 
@@ -42,8 +49,8 @@ DERIVED = {"arc": {"arc_easy": 0.5, "arc_challenge": 0.5}}
 class ScoreSpec:
     """How per-document values make a score: the metric per column and the weights of the columns in it."""
 
-    metric: Mapping[str, str]            # column -> per-doc metric (acc_norm, acc)
-    weights: Mapping[str, float]         # column -> weight in the headline score (they sum to 1)
+    metric: Mapping[str, str]  # column -> per-doc metric (acc_norm, acc)
+    weights: Mapping[str, float]  # column -> weight in the headline score (they sum to 1)
     derived: Mapping[str, Mapping[str, float]] = None  # extra reported columns as weighted means of columns
 
     @property
@@ -82,8 +89,15 @@ def doc_values(frames: Sequence[pd.DataFrame], spec: ScoreSpec) -> pd.DataFrame:
         value = pd.Series(np.nan, index=rows.index)
         for name in metric.unique():
             value[metric == name] = rows.loc[metric == name, name].astype(float)
-        one = pd.DataFrame({"column": rows["column"], "task": rows["task"], "doc_id": rows["doc_id"],
-                            "value": value, "doc_hash": rows.get("doc_hash")}).set_index(["column", "task", "doc_id"])
+        one = pd.DataFrame(
+            {
+                "column": rows["column"],
+                "task": rows["task"],
+                "doc_id": rows["doc_id"],
+                "value": value,
+                "doc_hash": rows.get("doc_hash"),
+            }
+        ).set_index(["column", "task", "doc_id"])
         if one.index.duplicated().any():
             raise ValueError("per-document results hold a document twice")
         if hashes is not None and not one.index.sort_values().equals(hashes.index.sort_values()):
@@ -130,12 +144,12 @@ def point_scores(values: pd.DataFrame, spec: ScoreSpec) -> dict[str, float]:
 class _Layout:
     """What pairing and resampling need of a (column, task, doc_id) index, worked out once per index."""
 
-    ordered: str      # a digest of its documents in their order: two indexes alike need no reindexing
-    documents: str    # a digest of the same documents, order aside
-    strata: tuple[tuple[str, np.ndarray], ...]   # (column, positions of its docs) per stratum, `_strata`'s order
+    ordered: str  # a digest of its documents in their order: two indexes alike need no reindexing
+    documents: str  # a digest of the same documents, order aside
+    strata: tuple[tuple[str, np.ndarray], ...]  # (column, positions of its docs) per stratum, `_strata`'s order
 
 
-_LAYOUTS: dict[int, tuple[weakref.ref, _Layout]] = {}   # id(index) -> (the index, its layout)
+_LAYOUTS: dict[int, tuple[weakref.ref, _Layout]] = {}  # id(index) -> (the index, its layout)
 
 
 def _layout(index: pd.MultiIndex) -> _Layout:
@@ -144,9 +158,12 @@ def _layout(index: pd.MultiIndex) -> _Layout:
     if known is not None and known[0]() is index:
         return known[1]
     ids = ["\x1f".join(map(str, key)) for key in index]
-    layout = _Layout(hashlib.sha256("\x1e".join(ids).encode()).hexdigest(),
-                     hashlib.sha256("\x1e".join(sorted(ids)).encode()).hexdigest(), _strata(index))
-    if len(_LAYOUTS) > 4096:   # dead entries of long sessions (tests): start over
+    layout = _Layout(
+        hashlib.sha256("\x1e".join(ids).encode()).hexdigest(),
+        hashlib.sha256("\x1e".join(sorted(ids)).encode()).hexdigest(),
+        _strata(index),
+    )
+    if len(_LAYOUTS) > 4096:  # dead entries of long sessions (tests): start over
         _LAYOUTS.clear()
     _LAYOUTS[id(index)] = (weakref.ref(index), layout)
     return layout
@@ -158,7 +175,7 @@ def _strata(index: pd.MultiIndex) -> tuple[tuple[str, np.ndarray], ...]:
     in `index` (pandas' groupby order)."""
     column_codes, columns = pd.factorize(index.get_level_values("column"), sort=True)
     task_codes, _ = pd.factorize(index.get_level_values("task"), sort=True)
-    order = np.lexsort((task_codes, column_codes))   # stable: a stratum keeps its docs' order
+    order = np.lexsort((task_codes, column_codes))  # stable: a stratum keeps its docs' order
     keys = np.stack([column_codes[order], task_codes[order]])
     starts = np.flatnonzero(np.r_[True, (keys[:, 1:] != keys[:, :-1]).any(axis=0)])
     strata, singles = [], {}
@@ -184,10 +201,15 @@ def resample_counts(sizes: tuple[int, ...], n_boot: int, seed: int) -> tuple[np.
     counts = []
     for n in sizes:
         draws = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)
-        dtype = np.uint8 if draws.max() <= np.iinfo(np.uint8).max else np.uint16 if n <= np.iinfo(np.uint16).max \
+        dtype = (
+            np.uint8
+            if draws.max() <= np.iinfo(np.uint8).max
+            else np.uint16
+            if n <= np.iinfo(np.uint16).max
             else np.int64
+        )
         compact = np.ascontiguousarray(draws.T, dtype=dtype)
-        compact.flags.writeable = False   # shared by every caller
+        compact.flags.writeable = False  # shared by every caller
         counts.append(compact)
     return tuple(counts)
 
@@ -199,9 +221,9 @@ def _dyadic_scale(values: np.ndarray, most: int = 16) -> float | None:
     if not len(values) or not np.isfinite(values).all():
         return None
     for k in range(most + 1):
-        scaled = values * 2.0 ** k
+        scaled = values * 2.0**k
         if np.array_equal(scaled, np.rint(scaled)):
-            return 2.0 ** k if np.abs(scaled).max() * len(values) < 2.0 ** 40 else None
+            return 2.0**k if np.abs(scaled).max() * len(values) < 2.0**40 else None
     return None
 
 
@@ -228,15 +250,16 @@ def _bootstrap_column_means(values: np.ndarray, layout: _Layout, n_boot: int, se
         sums[column] = sums.get(column, 0) + total
         n_docs[column] = n_docs.get(column, 0) + len(x)
     if scale is not None:
-        sums = {c: total / scale for c, total in sums.items()}   # exact: the integers are far below 2**53
+        sums = {c: total / scale for c, total in sums.items()}  # exact: the integers are far below 2**53
     return {c: sums[c] / n_docs[c] for c in sums}
 
 
-_BOUNDS: dict[bytes, dict[str, tuple[float, float]]] = {}   # a resampling's percentile bounds, by its inputs
+_BOUNDS: dict[bytes, dict[str, tuple[float, float]]] = {}  # a resampling's percentile bounds, by its inputs
 
 
-def _percentile_bounds(values: np.ndarray, layout: _Layout, spec: ScoreSpec, n_boot: int, seed: int,
-                       level: float) -> dict[str, tuple[float, float]]:
+def _percentile_bounds(
+    values: np.ndarray, layout: _Layout, spec: ScoreSpec, n_boot: int, seed: int, level: float
+) -> dict[str, tuple[float, float]]:
     """(low, high) of every reported column's resampled score. One table's contrast is often another's (a row
     against the original in a grid and in a pairwise table): the bounds are kept by a digest of everything they
     depend on, so each is resampled once."""
@@ -245,8 +268,9 @@ def _percentile_bounds(values: np.ndarray, layout: _Layout, spec: ScoreSpec, n_b
     if known is None:
         resampled = _combine(_bootstrap_column_means(values, layout, n_boot, seed), spec)
         tail = 100 * (1 - level) / 2
-        known = {name: (float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail)))
-                 for name, r in resampled.items()}
+        known = {
+            name: (float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail))) for name, r in resampled.items()
+        }
         if len(_BOUNDS) > 65536:
             _BOUNDS.clear()
         _BOUNDS[key.digest()] = known
@@ -258,7 +282,7 @@ class Interval:
     estimate: float
     low: float
     high: float
-    kind: str                  # "paired bootstrap" | "unpaired binomial" | "bootstrap" | "binomial" | "none"
+    kind: str  # "paired bootstrap" | "unpaired binomial" | "bootstrap" | "binomial" | "none"
 
     @property
     def resolved(self) -> bool | None:
@@ -268,15 +292,29 @@ class Interval:
         return not (self.low <= 0.0 <= self.high)
 
 
-def paired_bootstrap(row: pd.DataFrame, baseline: pd.DataFrame, spec: ScoreSpec, *, n_boot: int = N_BOOTSTRAP,
-                     seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
+def paired_bootstrap(
+    row: pd.DataFrame,
+    baseline: pd.DataFrame,
+    spec: ScoreSpec,
+    *,
+    n_boot: int = N_BOOTSTRAP,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = 0.95,
+) -> dict[str, Interval]:
     """Row minus baseline for every reported column, with its paired percentile bootstrap interval.
     Both are `doc_values` frames over the same documents."""
     return paired_contrast([row], [baseline], spec, n_boot=n_boot, seed=seed, level=level)
 
 
-def paired_contrast(plus: Sequence[pd.DataFrame], minus: Sequence[pd.DataFrame], spec: ScoreSpec, *,
-                    n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
+def paired_contrast(
+    plus: Sequence[pd.DataFrame],
+    minus: Sequence[pd.DataFrame],
+    spec: ScoreSpec,
+    *,
+    n_boot: int = N_BOOTSTRAP,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = 0.95,
+) -> dict[str, Interval]:
     """The sum of `plus` minus the sum of `minus` for every reported column, each document resampled once for all
     of them (paired percentile bootstrap); all are `doc_values` frames over the same documents. An interaction,
     (a - b) - (c - d), is `paired_contrast([a, d], [b, c])`: where the two differences move together on the same
@@ -297,12 +335,12 @@ def paired_contrast(plus: Sequence[pd.DataFrame], minus: Sequence[pd.DataFrame],
     return {name: Interval(estimate[name], *bounds[name], "paired bootstrap") for name in estimate}
 
 
-def bootstrap_scores(values: pd.DataFrame, spec: ScoreSpec, *, n_boot: int = N_BOOTSTRAP,
-                     seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> dict[str, Interval]:
+def bootstrap_scores(
+    values: pd.DataFrame, spec: ScoreSpec, *, n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95
+) -> dict[str, Interval]:
     """Every reported column's score with its percentile bootstrap interval (docs resampled within tasks)."""
     estimate = point_scores(values, spec)
-    bounds = _percentile_bounds(values["value"].to_numpy(dtype=float), _layout(values.index), spec, n_boot, seed,
-                                level)
+    bounds = _percentile_bounds(values["value"].to_numpy(dtype=float), _layout(values.index), spec, n_boot, seed, level)
     return {name: Interval(estimate[name], *bounds[name], "bootstrap") for name in estimate}
 
 
@@ -310,8 +348,11 @@ def bootstrap_scores(values: pd.DataFrame, spec: ScoreSpec, *, n_boot: int = N_B
 def binomial_se(scores: Mapping[str, float], n_docs: Mapping[str, int], spec: ScoreSpec) -> dict[str, float]:
     """Standard errors of every reported column from the column scores (fractions) and their doc counts,
     each column's docs independent Bernoulli draws."""
-    se = {c: math.sqrt(scores[c] * (1 - scores[c]) / n_docs[c]) for c in spec.metric
-          if c in scores and n_docs.get(c) and scores[c] is not None and not pd.isna(scores[c])}
+    se = {
+        c: math.sqrt(scores[c] * (1 - scores[c]) / n_docs[c])
+        for c in spec.metric
+        if c in scores and n_docs.get(c) and scores[c] is not None and not pd.isna(scores[c])
+    }
     out = {}
     for name, weights in spec.reported.items():
         if all(c in se for c in weights):
@@ -344,7 +385,7 @@ def answer_agreement(a: pd.DataFrame, b: pd.DataFrame, spec: ScoreSpec) -> dict[
     x, y = scored_answers(a, spec), scored_answers(b, spec)
     if not x.index.sort_values().equals(y.index.sort_values()):
         raise ValueError("answer_agreement: the two runs were evaluated on different documents")
-    same = (x == y.reindex(x.index))
+    same = x == y.reindex(x.index)
     out = {c: (int(g.sum()), int(len(g))) for c, g in same.groupby(level="column")}
     out["all"] = (int(same.sum()), int(len(same)))
     return out

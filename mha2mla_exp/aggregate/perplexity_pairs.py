@@ -42,13 +42,16 @@ FACTORS = {
     "precision": ("precision",),
     "budget": ("train_tokens",),
 }
-ROW = CONFIG_KEYS + BUDGET_KEYS   # a row: the table rows' keys without the eval sample (perplexity has its own)
+ROW = CONFIG_KEYS + BUDGET_KEYS  # a row: the table rows' keys without the eval sample (perplexity has its own)
 SAME = tuple(k for k in ROW if k not in {k for keys in FACTORS.values() for k in keys})
 
 
 def _rows(runs: pd.DataFrame, experiments) -> dict[tuple, list[dict]]:
-    ok = runs[(runs["status"] == "ok") & runs["experiment"].isin(list(experiments))
-              & runs["heldout_ppl"].notna()] if len(runs) else runs
+    ok = (
+        runs[(runs["status"] == "ok") & runs["experiment"].isin(list(experiments)) & runs["heldout_ppl"].notna()]
+        if len(runs)
+        else runs
+    )
     return seeds_once(ok.sort_values("run_dir").to_dict("records"), ROW)
 
 
@@ -98,7 +101,7 @@ class HeldOutRows:
     nll: np.ndarray
     tokens: np.ndarray
     documents: np.ndarray | None = None
-    index: tuple | None = None          # the rows' indices in the held-out split, when the record kept them
+    index: tuple | None = None  # the rows' indices in the held-out split, when the record kept them
 
     def same_rows(self, other: "HeldOutRows") -> bool:
         if len(self.nll) != len(other.nll) or not np.array_equal(self.tokens, other.tokens):
@@ -115,24 +118,36 @@ def held_out_rows(nll, tokens, documents=None, index=None) -> HeldOutRows | None
     if not isinstance(nll, list) or not isinstance(tokens, list) or not nll or len(nll) != len(tokens):
         return None
     documents = np.asarray(documents) if isinstance(documents, list) and len(documents) == len(nll) else None
-    return HeldOutRows(np.asarray(nll, dtype=float), np.asarray(tokens, dtype=float), documents,
-                       tuple(index) if isinstance(index, list) else None)
+    return HeldOutRows(
+        np.asarray(nll, dtype=float),
+        np.asarray(tokens, dtype=float),
+        documents,
+        tuple(index) if isinstance(index, list) else None,
+    )
 
 
 def _row_nll(runs: list[dict]) -> HeldOutRows | None:
     """The rows of the runs (seeds) of one configuration, NLL averaged; None unless all kept the same rows."""
-    each = [held_out_rows(r.get("heldout_row_nll"), r.get("heldout_row_tokens"), r.get("heldout_row_document"),
-                          r.get("heldout_row_index")) for r in runs]
+    each = [
+        held_out_rows(
+            r.get("heldout_row_nll"),
+            r.get("heldout_row_tokens"),
+            r.get("heldout_row_document"),
+            r.get("heldout_row_index"),
+        )
+        for r in runs
+    ]
     if any(x is None for x in each) or not all(each[0].same_rows(x) for x in each[1:]):
         return None
     return HeldOutRows(np.mean([x.nll for x in each], axis=0), each[0].tokens, each[0].documents, each[0].index)
 
 
-def ratio_interval(a: HeldOutRows, b: HeldOutRows, *, n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
-                   level: float = 0.95) -> tuple[float, float, float]:
+def ratio_interval(
+    a: HeldOutRows, b: HeldOutRows, *, n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95
+) -> tuple[float, float, float]:
     """B/A perplexity and its paired percentile bootstrap interval over the same held-out rows, resampling
     documents (their rows together) when `a` knows each row's document, else rows."""
-    diff = (b.nll - a.nll) * a.tokens   # per row, summed NLL difference
+    diff = (b.nll - a.nll) * a.tokens  # per row, summed NLL difference
     estimate = float(np.exp(diff.sum() / a.tokens.sum()))
     groups = a.documents if a.documents is not None else np.arange(len(diff))
     keys, inverse = np.unique(groups, return_inverse=True)
@@ -182,7 +197,7 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
         by_seed_a, by_seed_b = ({_text(r.get("seed")): r for r in g} for g in (a, b))
         shared = sorted(set(by_seed_a) & set(by_seed_b))
         per_seed = [by_seed_b[s]["heldout_ppl"] / by_seed_a[s]["heldout_ppl"] for s in shared]
-        if shared:   # the same data orders on both sides: a seed only one row has is left out of the ratio
+        if shared:  # the same data orders on both sides: a seed only one row has is left out of the ratio
             a, b = [by_seed_a[s] for s in shared], [by_seed_b[s] for s in shared]
         rows_a, rows_b = _row_nll(a), _row_nll(b)
         comparable = rows_a is not None and rows_b is not None and rows_a.same_rows(rows_b)
@@ -192,25 +207,44 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
         if rows_a is None or rows_b is None:
             verdict = "no interval (per-row NLL not kept, or its seeds scored other rows)"
         elif not comparable:
-            verdict = "not comparable: other held-out rows"   # B/A is then a ratio of two samples' means
+            verdict = "not comparable: other held-out rows"  # B/A is then a ratio of two samples' means
         elif (high < 1 or low > 1) and agree:
             verdict = "B lower" if estimate < 1 else "B higher"
         else:
             verdict = "not resolved"
-        records.append({
-            "factor": factor, "A": _label(a[0]), "B": _label(b[0]),
-            "seeds": ",".join(shared) or f"A {len(a)}, B {len(b)} (none shared)",
-            "ppl A": _ppl(a), "ppl B": _ppl(b), "B/A": estimate, "B/A low": low, "B/A high": high,
-            "B/A per seed": tuple(per_seed), "B/A per document": per_document,
-            "held-out rows": len(rows_a.nll) if comparable else None,
-            "resampled": resampling_unit(rows_a) if comparable else "",
-            "verdict": verdict,
-        })
+        records.append(
+            {
+                "factor": factor,
+                "A": _label(a[0]),
+                "B": _label(b[0]),
+                "seeds": ",".join(shared) or f"A {len(a)}, B {len(b)} (none shared)",
+                "ppl A": _ppl(a),
+                "ppl B": _ppl(b),
+                "B/A": estimate,
+                "B/A low": low,
+                "B/A high": high,
+                "B/A per seed": tuple(per_seed),
+                "B/A per document": per_document,
+                "held-out rows": len(rows_a.nll) if comparable else None,
+                "resampled": resampling_unit(rows_a) if comparable else "",
+                "verdict": verdict,
+            }
+        )
     return pd.DataFrame.from_records(records)
 
 
-PERPLEXITY_COLUMNS = ("experiment", "label", "train_tokens", "precision", "distill_token_passes", "convert_s",
-                      "distill_s", "train_s", "kv_mem_change_pct", "heldout_ppl")
+PERPLEXITY_COLUMNS = (
+    "experiment",
+    "label",
+    "train_tokens",
+    "precision",
+    "distill_token_passes",
+    "convert_s",
+    "distill_s",
+    "train_s",
+    "kv_mem_change_pct",
+    "heldout_ppl",
+)
 
 
 def perplexity_view(runs: pd.DataFrame) -> pd.DataFrame:

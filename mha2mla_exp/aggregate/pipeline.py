@@ -15,21 +15,21 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from . import catalog  # noqa: F401  (registers the tables)
+from .files import write_text
 from .kinds import PaperTable
 from .plots import save_figure
 from .records import canonical_runs, load_runs, results_root, training_curves, variant_label
-from .files import write_text
 from .render import views_text, write_csv
 from .table_registry import TABLES, Artifact, Entry, Inputs, PlotFiles, TableFiles
 
 
 @dataclass
 class Aggregate:
-    records: pd.DataFrame            # one row per run, every results.json/config.yaml field flattened
-    runs: pd.DataFrame               # one row per run, in the tables' terms (scores in points)
+    records: pd.DataFrame  # one row per run, every results.json/config.yaml field flattened
+    runs: pd.DataFrame  # one row per run, in the tables' terms (scores in points)
     tables: dict[str, pd.DataFrame]  # the paper tables ("table1", ...): every `PaperTable` entry's frame
-    curves: pd.DataFrame             # training loss per logged step, per run
-    probes: pd.DataFrame             # in-training held-out perplexity probes (train.eval_every), per run
+    curves: pd.DataFrame  # training loss per logged step, per run
+    probes: pd.DataFrame  # in-training held-out perplexity probes (train.eval_every), per run
 
     @property
     def n_ok(self) -> int:
@@ -41,12 +41,21 @@ class Aggregate:
 
     def figures(self) -> dict[str, Figure]:
         """Every registered entry's plots, by name (this builds every entry)."""
-        return {artifact.name: artifact.figure for entry in TABLES for artifact in entry.build(self.inputs(entry))
-                if isinstance(artifact, PlotFiles)}
+        return {
+            artifact.name: artifact.figure
+            for entry in TABLES
+            for artifact in entry.build(self.inputs(entry))
+            if isinstance(artifact, PlotFiles)
+        }
 
 
-def entry_inputs(entry: Entry, runs: pd.DataFrame, curves: pd.DataFrame, probes: pd.DataFrame,
-                 tables: dict[str, pd.DataFrame] | None = None) -> Inputs:
+def entry_inputs(
+    entry: Entry,
+    runs: pd.DataFrame,
+    curves: pd.DataFrame,
+    probes: pd.DataFrame,
+    tables: dict[str, pd.DataFrame] | None = None,
+) -> Inputs:
     if entry.experiments is None:
         return Inputs(runs, curves, probes, tables or {})
     runs = runs[runs["experiment"].isin(list(entry.experiments))] if len(runs) else runs
@@ -55,8 +64,9 @@ def entry_inputs(entry: Entry, runs: pd.DataFrame, curves: pd.DataFrame, probes:
     return Inputs(runs, curves, probes, tables or {})
 
 
-def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project: str | None = None,
-                    wandb_api=None) -> Aggregate:
+def build_aggregate(
+    run_dirs: Iterable[str | Path] | None = None, wandb_project: str | None = None, wandb_api=None
+) -> Aggregate:
     """Read every run record under `run_dirs` (default: <results root>/runs), plus a W&B project's runs
     when given, and build the paper tables. With no runs the tables hold the paper's numbers only."""
     paths = list(run_dirs) if run_dirs else [results_root() / "runs"]
@@ -73,8 +83,11 @@ def build_aggregate(run_dirs: Iterable[str | Path] | None = None, wandb_project:
     else:
         runs.insert(0, "label", pd.Series(dtype=object))
     curves, probes = training_curves(runs), training_curves(runs, "heldout_ppl_probe")
-    tables = {entry.name: entry.table(entry_inputs(entry, runs, curves, probes).runs)
-              for entry in TABLES if isinstance(entry, PaperTable)}
+    tables = {
+        entry.name: entry.table(entry_inputs(entry, runs, curves, probes).runs)
+        for entry in TABLES
+        if isinstance(entry, PaperTable)
+    }
     return Aggregate(records=records, runs=runs, tables=tables, curves=curves, probes=probes)
 
 
@@ -85,8 +98,10 @@ def write_artifact(artifact: Artifact, out_dir: Path) -> list[Path]:
     tables = out_dir / "tables"
     markdown, latex = views_text(dict(artifact.views), artifact.caption, artifact.note)
     written = [] if artifact.csv is None else [write_csv(artifact.csv, tables / f"{artifact.name}.csv")]
-    return written + [write_text(tables / f"{artifact.name}.md", markdown),
-                      write_text(tables / f"{artifact.name}.tex", latex)]
+    return written + [
+        write_text(tables / f"{artifact.name}.md", markdown),
+        write_text(tables / f"{artifact.name}.tex", latex),
+    ]
 
 
 def write_aggregate(aggregate: Aggregate, out_dir: str | Path, entries: Iterable[Entry] | None = None) -> list[Path]:
@@ -95,11 +110,11 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path, entries: Iterable
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    owner: dict[tuple[str, str], str] = {}   # (tables | plots, file name) -> the entry that wrote it
+    owner: dict[tuple[str, str], str] = {}  # (tables | plots, file name) -> the entry that wrote it
     for entry in TABLES if entries is None else entries:
         for artifact in entry.build(aggregate.inputs(entry)):
             key = ("plots" if isinstance(artifact, PlotFiles) else "tables", artifact.name)
-            if key in owner:   # two entries (or one, twice) would overwrite each other's files
+            if key in owner:  # two entries (or one, twice) would overwrite each other's files
                 raise ValueError(f"{key[0]}/{artifact.name} is written by both {owner[key]!r} and {entry.name!r}")
             owner[key] = entry.name
             written += write_artifact(artifact, out_dir)
@@ -108,5 +123,13 @@ def write_aggregate(aggregate: Aggregate, out_dir: str | Path, entries: Iterable
     return written + [write_csv(runs, out_dir / "runs.csv")]
 
 
-__all__ = ["Aggregate", "build_aggregate", "write_aggregate", "write_artifact", "entry_inputs", "results_root",
-           "TableFiles", "PlotFiles"]
+__all__ = [
+    "Aggregate",
+    "build_aggregate",
+    "write_aggregate",
+    "write_artifact",
+    "entry_inputs",
+    "results_root",
+    "TableFiles",
+    "PlotFiles",
+]

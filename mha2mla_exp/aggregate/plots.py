@@ -88,8 +88,16 @@ def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> F
         paper = paper.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"])
         points = _memory_points(paper, "paper")
         if len(points):
-            ax.plot(points["x"], points["y"], marker="o", mfc="none", ls="--", color="black" if len(ours_models)
-                    else f"C{m}", alpha=1.0 / (1 + m), label=f"paper: {model} (2.25B tokens)")
+            ax.plot(
+                points["x"],
+                points["y"],
+                marker="o",
+                mfc="none",
+                ls="--",
+                color="black" if len(ours_models) else f"C{m}",
+                alpha=1.0 / (1 + m),
+                label=f"paper: {model} (2.25B tokens)",
+            )
         for _, group in _ours_series(in_model):
             tokens = group["train_tokens"].iloc[0]
             base = group[group["method"] == ("finetuned_full_attention" if tokens else "original")]
@@ -100,8 +108,15 @@ def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> F
                 if len(points):
                     name = _series_name(series, model) + (f", {options}" if options else "")
                     # a small sideways offset per line, so that whiskers at one memory size stay apart
-                    ax.errorbar(points["x"] + 0.7 * n_ours, points["y"], yerr=_errors(points), marker="s", capsize=3,
-                                color=f"C{n_ours}", label=name)
+                    ax.errorbar(
+                        points["x"] + 0.7 * n_ours,
+                        points["y"],
+                        yerr=_errors(points),
+                        marker="s",
+                        capsize=3,
+                        color=f"C{n_ours}",
+                        label=name,
+                    )
                     n_ours += 1
     ax.set_xlabel("KV cache memory (% of MHA)")
     ax.set_ylabel(AVG_LABEL)
@@ -160,20 +175,46 @@ def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -
             if interval is not None:
                 low, high = (v.reindex(categories).astype(float).to_numpy() for v in interval)
                 yerr = np.nan_to_num(np.vstack([heights - low, high - heights]))
-            ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=label, yerr=yerr, capsize=2,
-                   color="lightgrey" if label == "paper" else f"C{i - 1}", edgecolor="black", linewidth=0.5)
+            ax.bar(
+                x + (i - (len(series) - 1) / 2) * width,
+                heights,
+                width,
+                label=label,
+                yerr=yerr,
+                capsize=2,
+                color="lightgrey" if label == "paper" else f"C{i - 1}",
+                edgecolor="black",
+                linewidth=0.5,
+            )
         baselines = rows[(rows["model"] == model) & (rows["method"] == "finetuned_full_attention")]
         paper_base = baselines["avg_paper"].dropna().unique()
         if len(paper_base) == 1:
             ax.axhline(paper_base[0], color="black", ls="--", lw=1, label="paper: FT full attention")
         for i, (_, group) in enumerate(_ours_series(baselines)):
             if group["avg"].notna().any():
-                ax.axhline(group["avg"].iloc[0], color="black", ls="-", lw=1, alpha=0.4 + 0.6 / (i + 1),
-                           label=f"FT full attention, {int(group['train_tokens'].iloc[0]):,} tokens")
-        heights = pd.concat([in_model["avg_paper"], in_model["avg_low"], in_model["avg_high"], baselines["avg_paper"],
-                             baselines["avg"]]).astype(float).dropna()
+                ax.axhline(
+                    group["avg"].iloc[0],
+                    color="black",
+                    ls="-",
+                    lw=1,
+                    alpha=0.4 + 0.6 / (i + 1),
+                    label=f"FT full attention, {int(group['train_tokens'].iloc[0]):,} tokens",
+                )
+        heights = (
+            pd.concat(
+                [
+                    in_model["avg_paper"],
+                    in_model["avg_low"],
+                    in_model["avg_high"],
+                    baselines["avg_paper"],
+                    baselines["avg"],
+                ]
+            )
+            .astype(float)
+            .dropna()
+        )
         if len(heights):
-            ax.set_ylim(heights.min() - 3, heights.max() + 2)   # the differences are a few points
+            ax.set_ylim(heights.min() - 3, heights.max() + 2)  # the differences are a few points
         ax.set_xticks(x, categories, rotation=30, ha="right")
         ax.set_xlabel("partial-RoPE strategy")
         ax.set_ylabel(AVG_LABEL)
@@ -196,7 +237,8 @@ def loss_curves(curves: pd.DataFrame) -> Figure:
         n = group["run_dir"].nunique()
         ax.plot(mean.index, mean.to_numpy(), label=label if n == 1 else f"{label} (mean of {n})")
     for (run_dir, label, status), group in curves[curves["status"] != "ok"].groupby(
-            ["run_dir", "label", "status"], sort=True):
+        ["run_dir", "label", "status"], sort=True
+    ):
         ax.plot(group[x_column], group["loss"], ls="--", label=f"{label} [{status}]")
     ax.set_xlabel("fine-tuning tokens" if by_tokens else "step")
     ax.set_ylabel("training loss")
@@ -218,11 +260,21 @@ def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
         if not match:
             continue
         for _, run in ok[ok[column].notna()].iterrows():
-            docs = (run.get("eval_docs") or {}).get(f"{match['task']}@{match['length']}") \
-                if isinstance(run.get("eval_docs"), dict) else None
+            docs = (
+                (run.get("eval_docs") or {}).get(f"{match['task']}@{match['length']}")
+                if isinstance(run.get("eval_docs"), dict)
+                else None
+            )
             label = variant_label(run) + (f" ({docs} docs/length)" if docs else "")  # other doc samples: other lines
-            rows.append({"label": label, "run_dir": run["run_dir"], "task": match["task"],
-                         "length": int(match["length"]), "score": float(run[column])})
+            rows.append(
+                {
+                    "label": label,
+                    "run_dir": run["run_dir"],
+                    "task": match["task"],
+                    "length": int(match["length"]),
+                    "score": float(run[column]),
+                }
+            )
     return pd.DataFrame(rows, columns=["label", "run_dir", "task", "length", "score"])
 
 
@@ -238,7 +290,7 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
         name = f"{label} · {task}" if several_tasks else label
         ax.plot(mean.index, mean.to_numpy(), marker="o", label=name if n == 1 else f"{name} (mean of {n})")
     ax.set_xscale("log", base=2)
-    if len(points):   # the evaluated lengths as plain numbers, not powers of two
+    if len(points):  # the evaluated lengths as plain numbers, not powers of two
         lengths = sorted(points["length"].unique())
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.minorticks_off()
@@ -255,9 +307,10 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
 
 def _compute_spent(frame: pd.DataFrame, seconds: pd.Series, tokens: pd.Series) -> pd.DataFrame:
     """x coordinates: wall seconds and training tokens, distillation's included (it runs first)."""
-    return frame.assign(seconds=frame["distill_s"].fillna(0).astype(float) + seconds.fillna(0).astype(float),
-                        tokens_spent=frame["distill_token_passes"].fillna(0).astype(float)
-                        + tokens.fillna(0).astype(float))
+    return frame.assign(
+        seconds=frame["distill_s"].fillna(0).astype(float) + seconds.fillna(0).astype(float),
+        tokens_spent=frame["distill_token_passes"].fillna(0).astype(float) + tokens.fillna(0).astype(float),
+    )
 
 
 def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = "recovery") -> Figure:
@@ -272,12 +325,14 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
         for ax in axes.flat:
             _empty_note(ax, f"no ok runs in experiment {experiment!r}")
         return figure
-    converted = _compute_spent(converted.assign(recipe=converted.apply(recovery_recipe, axis=1)),
-                               converted["train_s"], converted["train_tokens"])
+    converted = _compute_spent(
+        converted.assign(recipe=converted.apply(recovery_recipe, axis=1)),
+        converted["train_s"],
+        converted["train_tokens"],
+    )
     probe = probes[probes["run_dir"].isin(converted["run_dir"])] if len(probes) else probes
     if len(probe):
-        probe = probe.merge(converted[["run_dir", "d_kv", "recipe", "distill_s", "distill_token_passes"]],
-                            on="run_dir")
+        probe = probe.merge(converted[["run_dir", "d_kv", "recipe", "distill_s", "distill_token_passes"]], on="run_dir")
         probe = _compute_spent(probe, probe["elapsed_s"], probe["tokens"])
     colors = {}
     for (d_kv, recipe), group in converted.groupby(["d_kv", "recipe"], sort=True):
@@ -289,7 +344,7 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
             if group["avg"].notna().any():
                 axes[1, col].plot(group[x], group["avg"], "o-", color=color, label=name)
         curves = probe[(probe["d_kv"] == d_kv) & (probe["recipe"] == recipe)] if len(probe) else probe
-        for _, curve in (curves.groupby("run_dir") if len(curves) else []):
+        for _, curve in curves.groupby("run_dir") if len(curves) else []:
             for col, x in enumerate(("seconds", "tokens_spent")):
                 axes[0, col].plot(curve[x], curve["heldout_ppl_probe"], "-", color=color, alpha=0.7)
         start = converted[(converted["d_kv"] == d_kv) & (converted["recipe"] == "conversion only")]
@@ -305,11 +360,17 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
             for row, value in ((0, ref["heldout_ppl"]), (1, ref["avg"])):
                 if not pd.isna(value):
                     axes[row, col].axhline(value, ls=":", color="grey")
-                    axes[row, col].annotate(ref["label"].split(": ", 1)[-1], (0, value),
-                                            xycoords=("axes fraction", "data"), fontsize="x-small", color="grey",
-                                            va="bottom")
-    for col, xlabel in enumerate(("compute: wall seconds (distillation + fine-tune)",
-                                  "tokens: fine-tune tokens + distillation token passes")):
+                    axes[row, col].annotate(
+                        ref["label"].split(": ", 1)[-1],
+                        (0, value),
+                        xycoords=("axes fraction", "data"),
+                        fontsize="x-small",
+                        color="grey",
+                        va="bottom",
+                    )
+    for col, xlabel in enumerate(
+        ("compute: wall seconds (distillation + fine-tune)", "tokens: fine-tune tokens + distillation token passes")
+    ):
         axes[0, col].set_yscale("log")
         axes[0, col].set_ylabel("held-out perplexity")
         axes[1, col].set_ylabel(AVG_LABEL)
@@ -323,10 +384,10 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
         for ax in axes[1]:
             _empty_note(ax, "no commonsense scores in these runs")
     for col in range(2):
-        axes[0, col].set_title("lines: in-training probes (train.eval_batches rows); dots: the final held-out "
-                               "evaluation", fontsize="small")
-        axes[1, col].set_title("each finished run; the 95 % intervals are in the experiment's table",
-                               fontsize="small")
+        axes[0, col].set_title(
+            "lines: in-training probes (train.eval_batches rows); dots: the final held-out evaluation", fontsize="small"
+        )
+        axes[1, col].set_title("each finished run; the 95 % intervals are in the experiment's table", fontsize="small")
     figure.suptitle(f"Recovery of a converted model against compute (experiment {experiment!r})")
     figure.tight_layout()
     return figure
@@ -368,13 +429,12 @@ def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
         ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
-    low, high = ax.get_xlim()   # ratios, not powers of ten
+    low, high = ax.get_xlim()  # ratios, not powers of ten
     ax.set_xticks([t for t in RATIO_TICKS if low <= t <= high], minor=False)
     ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_yticks(y, labels, fontsize="x-small")
-    ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; "
-                  "x: each seed")
+    ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; x: each seed")
     return _finish_forest(figure, ax, VERDICT_COLORS, title)
 
 
@@ -405,8 +465,9 @@ def score_deltas_vs(pairs: pd.DataFrame, reference: str, title: str, target: flo
     return _finish_forest(figure, ax, SCORE_VERDICT_COLORS, title)
 
 
-def scores_vs_recovery_ppl(pairs: pd.DataFrame, reference: str, title: str,
-                           columns=("avg", "hellaswag", "arc", "piqa")) -> Figure:
+def scores_vs_recovery_ppl(
+    pairs: pd.DataFrame, reference: str, title: str, columns=("avg", "hellaswag", "arc", "piqa")
+) -> Figure:
     """One panel per score column: each row's paired difference to the `reference` row (A) against its held-out
     perplexity on the text it recovered on (log axis), bars its paired bootstrap 95 % interval; the points are
     numbered and the numbers listed below. Rows without that perplexity (recovered on the corpus) are left out."""
@@ -420,8 +481,9 @@ def scores_vs_recovery_ppl(pairs: pd.DataFrame, reference: str, title: str,
     x = rows["B recovery text ppl"].astype(float).to_numpy()
     for ax, column in zip(axes, columns):
         y = rows[f"{column}_delta"].astype(float)
-        errors = np.vstack([(y - rows[f"{column}_delta_low"]).clip(lower=0),
-                            (rows[f"{column}_delta_high"] - y).clip(lower=0)])
+        errors = np.vstack(
+            [(y - rows[f"{column}_delta_low"]).clip(lower=0), (rows[f"{column}_delta_high"] - y).clip(lower=0)]
+        )
         ax.errorbar(x, y, yerr=errors, fmt="o", color="tab:blue", ecolor="tab:blue", alpha=0.8, capsize=2)
         for i, (xi, yi) in enumerate(zip(x, y), start=1):
             ax.annotate(str(i), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize="x-small")
@@ -448,18 +510,25 @@ def budget_vs_reference(comparison: pd.DataFrame) -> Figure:
     figure = Figure(figsize=(6.4, 4.2))
     ax = figure.subplots()
     reference = comparison["converter"].str.startswith("TransMLA")
-    paired = comparison[reference | comparison.get("ours / TransMLA [95 %]", pd.Series("", index=comparison.index))
-                        .astype(str).ne("")]
+    paired = comparison[
+        reference | comparison.get("ours / TransMLA [95 %]", pd.Series("", index=comparison.index)).astype(str).ne("")
+    ]
     # a searched value's outcome, "key_weight=searched (2)", differs by budget; the series is the recipe
     paired = paired.assign(recipe=paired["options"].astype(str).str.replace(r" \([0-9.]+\)", "", regex=True))
-    groups = sorted(paired.groupby(["converter", "recipe"], sort=False),
-                    key=lambda g: not g[0][0].startswith("TransMLA"))
+    groups = sorted(
+        paired.groupby(["converter", "recipe"], sort=False), key=lambda g: not g[0][0].startswith("TransMLA")
+    )
     for (converter, options), rows in groups:
         rows = rows.sort_values("KV elements")
         label = f"{converter} ({options})" if options else converter
         reference = converter.startswith("TransMLA")
-        ax.plot(rows["KV elements"], rows["held-out ppl"].astype(float), "s--" if reference else "o-",
-                color="black" if reference else None, label=label[:110])
+        ax.plot(
+            rows["KV elements"],
+            rows["held-out ppl"].astype(float),
+            "s--" if reference else "o-",
+            color="black" if reference else None,
+            label=label[:110],
+        )
     ax.set_xlabel("cached elements per token and layer")
     ax.set_ylabel("held-out perplexity (zero shot)")
     ax.set_yscale("log")
@@ -475,8 +544,9 @@ def recovery_grid(grid: pd.DataFrame, title: str, target: float | None = None) -
     recovery's usual recipe in the experiment (a grid cell); hollow and annotated: a control that differs
     (tokens, lr, trainable parameters, recovery set); square: trained in fp32, circle: bf16 autocast."""
     savings = sorted(grid["kv saving %"].unique(), reverse=True) if len(grid) else []
-    heights = [len(grid[grid["kv saving %"] == s]) + grid[grid["kv saving %"] == s]["conversion"].nunique()
-               for s in savings] or [1]
+    heights = [
+        len(grid[grid["kv saving %"] == s]) + grid[grid["kv saving %"] == s]["conversion"].nunique() for s in savings
+    ] or [1]
     figure = Figure(figsize=(11, 1.4 + 0.22 * sum(heights) + 0.5 * len(heights)))
     axes = figure.subplots(len(heights), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
     if not len(grid):
@@ -491,11 +561,23 @@ def recovery_grid(grid: pd.DataFrame, title: str, target: float | None = None) -
             for _, run in runs.iloc[::-1].iterrows():
                 color, control = colors[run["recovery"]], bool(run["differs"])
                 ax.plot([run["low"], run["high"]], [y, y], "-", color=color, lw=1.5, alpha=0.5 if control else 1)
-                ax.plot(run["delta"], y, "s" if run["precision"] == "fp32" else "o", color=color,
-                        markerfacecolor="white" if control else color, markersize=5)
+                ax.plot(
+                    run["delta"],
+                    y,
+                    "s" if run["precision"] == "fp32" else "o",
+                    color=color,
+                    markerfacecolor="white" if control else color,
+                    markersize=5,
+                )
                 if control:
-                    ax.annotate(run["differs"], (run["high"], y), textcoords="offset points", xytext=(4, -2.5),
-                                fontsize="xx-small", color=color)
+                    ax.annotate(
+                        run["differs"],
+                        (run["high"], y),
+                        textcoords="offset points",
+                        xytext=(4, -2.5),
+                        fontsize="xx-small",
+                        color=color,
+                    )
                 block.append(y)
                 y += 1
             ticks.append(float(np.mean(block)))
@@ -510,8 +592,10 @@ def recovery_grid(grid: pd.DataFrame, title: str, target: float | None = None) -
         ax.set_title(f"KV cache {saving:+.2f} %", fontsize="small", loc="left")
         ax.grid(axis="x", alpha=0.3)
     handles = [axes[0].plot([], [], "o", color=c, label=r)[0] for r, c in colors.items()]
-    handles += [axes[0].plot([], [], "s", color="grey", label="trained in fp32")[0],
-                axes[0].plot([], [], "o", color="grey", markerfacecolor="white", label="control (annotated)")[0]]
+    handles += [
+        axes[0].plot([], [], "s", color="grey", label="trained in fp32")[0],
+        axes[0].plot([], [], "o", color="grey", markerfacecolor="white", label="control (annotated)")[0],
+    ]
     if target is not None:
         handles.append(axes[0].plot([], [], "--", color="black", lw=0.8, label=f"goal: {target:+g} points")[0])
     axes[0].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -23,8 +23,22 @@ from ..evaluation.samples import SAMPLES_FILE
 COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
 COMMONSENSE_PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored
 LONGBENCH = (
-    "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-    "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
 )
 METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
 
@@ -35,11 +49,30 @@ PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Ll
 # A table row is a (configuration, budget, evaluation sample) triple, named by these keys. Runs of one row are
 # the seeds of one setting (`setting`: the run identity but its seed, runner/identity.setting_identity), so two
 # runs that differ in anything that changes numbers are two rows even where these names coincide.
-CONFIG_KEYS = ("model", "ours_model", "method", "rope", "r", "svd", "d_kv", "kv_elements", "rope_dims", "options",
-               "distill_token_passes", "kv_quant", "kv_grouping", "data", "train_data", "objective", "trainable", "lr",
-               "warmup", "precision")
+CONFIG_KEYS = (
+    "model",
+    "ours_model",
+    "method",
+    "rope",
+    "r",
+    "svd",
+    "d_kv",
+    "kv_elements",
+    "rope_dims",
+    "options",
+    "distill_token_passes",
+    "kv_quant",
+    "kv_grouping",
+    "data",
+    "train_data",
+    "objective",
+    "trainable",
+    "lr",
+    "warmup",
+    "precision",
+)
 BUDGET_KEYS = ("train_tokens",)
-EVAL_KEYS = ("eval_sample", "eval_dtype")   # eval_sample: the table's suite's (eval_sample_<suite>)
+EVAL_KEYS = ("eval_sample", "eval_dtype")  # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
 UNQUANTIZED = "unquantized"
 # MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
@@ -98,7 +131,7 @@ def read_run(results_path: Path) -> dict:
         record.update(flatten(json.loads(results_path.read_text())))
     except (OSError, ValueError) as err:
         record.update(run_name=run_dir.name, status="unreadable", error=f"results.json: {err}")
-    record["run_dir"] = _relative(run_dir)   # first column still, whatever the record says
+    record["run_dir"] = _relative(run_dir)  # first column still, whatever the record says
     config_path = run_dir / "config.yaml"
     if config_path.is_file():
         try:
@@ -205,15 +238,21 @@ def eval_sample(record: dict, suite: str) -> str | None:
     meta = f"eval.meta.{suite}."
     if suite == "commonsense" and _get(record, "eval.commonsense.avg", "eval.commonsense.mmlu") is not None:
         offline = "offline" if str(_get(record, meta + "source", default="offline")).startswith("offline") else "online"
-        return (f"limit={_get(record, meta + 'limit', 'eval.commonsense.limit')} "
-                f"mmlu_limit={_get(record, meta + 'mmlu_limit')} {_get(record, meta + 'sample')} "
-                f"seed={_get(record, meta + 'seed')} {offline}")
+        return (
+            f"limit={_get(record, meta + 'limit', 'eval.commonsense.limit')} "
+            f"mmlu_limit={_get(record, meta + 'mmlu_limit')} {_get(record, meta + 'sample')} "
+            f"seed={_get(record, meta + 'seed')} {offline}"
+        )
     if suite == "long_context" and _get(record, meta + "lengths") is not None:
-        return (f"lengths={_get(record, meta + 'lengths')} depths={_get(record, meta + 'depths')} "
-                f"x{_get(record, meta + 'samples_per_depth')} seed={_get(record, meta + 'seed')}")
+        return (
+            f"lengths={_get(record, meta + 'lengths')} depths={_get(record, meta + 'depths')} "
+            f"x{_get(record, meta + 'samples_per_depth')} seed={_get(record, meta + 'seed')}"
+        )
     if suite == "longbench" and _get(record, "eval.longbench.avg") is not None:
-        return (f"longbench limit={_get(record, 'eval.longbench.limit', meta + 'limit')} "
-                f"{_get(record, meta + 'sample')} seed={_get(record, meta + 'seed')}")
+        return (
+            f"longbench limit={_get(record, 'eval.longbench.limit', meta + 'limit')} "
+            f"{_get(record, meta + 'sample')} seed={_get(record, meta + 'seed')}"
+        )
     return None
 
 
@@ -251,8 +290,15 @@ def canonical_run(record: dict) -> dict:
     train_tokens = _get(record, "train.tokens")
     method = method_of(_get(record, "variant"), rope, svd, trained=bool(train_tokens))
     full_model = method in ("original", "finetuned_full_attention")
-    head_dim = _as_int(_get(record, "config.model.shape.head_dim", "config.model.head_dim", "model.head_dim",
-                            default=PAPER_HEAD_DIM.get(paper_model)))
+    head_dim = _as_int(
+        _get(
+            record,
+            "config.model.shape.head_dim",
+            "config.model.head_dim",
+            "model.head_dim",
+            default=PAPER_HEAD_DIM.get(paper_model),
+        )
+    )
     kv_quant = precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits"))
     run_dir = record.get("run_dir")
     samples = Path(run_dir) / SAMPLES_FILE if run_dir else None
@@ -275,8 +321,11 @@ def canonical_run(record: dict) -> dict:
         "kv_elements": None if full_model else _as_int(_get(record, "mla.kv_elements")),
         "rope_dims": None if full_model else rope_dims_label(record),
         "latent_dims": None if full_model else latent_dims_label(record),
-        "kv_split": None if full_model or _get(record, "mla.kv_elements") is None
-        else "fixed" if _get(record, "mla.rope_pairs") is not None else "searched",
+        "kv_split": None
+        if full_model or _get(record, "mla.kv_elements") is None
+        else "fixed"
+        if _get(record, "mla.rope_pairs") is not None
+        else "searched",
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
@@ -301,7 +350,7 @@ def canonical_run(record: dict) -> dict:
         # a fine-tune on other text than the run's corpus (train.data), and its own held-out perplexity
         "train_data": train_data_label(record),
         "train_data_heldout_ppl": _get(record, f"eval.perplexity.heldout:{_get(record, 'train_data.name')}"),
-        "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),       # per held-out row (perplexity_pairs)
+        "heldout_row_nll": _get(record, "eval.perplexity.row_nll"),  # per held-out row (perplexity_pairs)
         "heldout_row_tokens": _get(record, "eval.perplexity.row_tokens"),
         "heldout_row_document": _get(record, "eval.perplexity.row_document"),  # the bootstrap's unit
         "heldout_row_index": _get(record, "eval.perplexity.row_index"),
@@ -313,7 +362,8 @@ def canonical_run(record: dict) -> dict:
         # all fine-tuned on cross-entropy
         "objective": _get(record, "train.objective", "config.objective.name", default="ce") if train_tokens else None,
         "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
-        if train_tokens else None,
+        if train_tokens
+        else None,
         "lr": _as_float(_get(record, "config.train.lr")) if train_tokens else None,
         "warmup": _as_int(_get(record, "config.train.warmup_steps")) if train_tokens else None,
         "precision": _get(record, "train.precision.mode"),
@@ -332,8 +382,8 @@ def canonical_run(record: dict) -> dict:
     row["avg"] = _points(_get(record, "eval.commonsense.avg"))
     for key, value in record.items():
         for section in ("longbench", "long_context"):
-            name = key[len(f"eval.{section}."):] if key.startswith(f"eval.{section}.") else None
-            if name and "." not in name and name != "limit":   # scores only, not nested metadata
+            name = key[len(f"eval.{section}.") :] if key.startswith(f"eval.{section}.") else None
+            if name and "." not in name and name != "limit":  # scores only, not nested metadata
                 row[f"{section}.{name}"] = _points(value)
     for task in LONGBENCH + ("avg",):
         row.setdefault(f"longbench.{task}", None)
@@ -348,7 +398,7 @@ def lr_label(lr) -> str:
 
 
 def _lr_note(lr) -> str | None:
-    """"lr 3e-4" for a learning rate other than the paper's, else None."""
+    """ "lr 3e-4" for a learning rate other than the paper's, else None."""
     if lr is None or pd.isna(lr) or math.isclose(float(lr), DEFAULT_RECIPE["lr"]):
         return None
     return f"lr {lr_label(lr)}"
@@ -419,8 +469,11 @@ def recovery_recipe(row) -> str:
 def options_label(record: dict) -> str | None:
     """The conversion options that differ from the paper's defaults, e.g. "score=sum, init=activation"."""
     # a record from before an option existed has NaN there (a frame mixing old and new records): the default
-    changed = [f"{name}={record[f'mla.{name}']}" for name, default in DEFAULT_OPTIONS.items()
-               if _get(record, f"mla.{name}") not in (None, default)]
+    changed = [
+        f"{name}={record[f'mla.{name}']}"
+        for name, default in DEFAULT_OPTIONS.items()
+        if _get(record, f"mla.{name}") not in (None, default)
+    ]
     searched = _get(record, "conversion.budget_search.key_weight")  # a KV budget that searched its key weight
     if searched is not None and _get(record, "mla.key_weight") is None:
         changed.append(f"key_weight=searched ({searched:g})")

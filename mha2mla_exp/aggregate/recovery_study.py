@@ -27,16 +27,20 @@ from .comparisons import _ALL, same_docs
 from .records import recovery_recipe
 from .tables import Row, contrast, delta, rows_of_ours
 
-REFERENCE = "ce"   # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
-                   # on the run's own corpus; per conversion where an experiment has several
+REFERENCE = "ce"  # the paper's recipe, every Avg is paired against it: cross-entropy, all parameters, no ILD,
+# on the run's own corpus; per conversion where an experiment has several
 
 
-ORIGINAL = "original (unconverted)"   # a reference row: the model every recipe recovers towards
+ORIGINAL = "original (unconverted)"  # a reference row: the model every recipe recovers towards
 
 
 def _is_reference(run: dict) -> bool:
-    return (run.get("objective") == "ce" and run.get("trainable") == "all" and pd.isna(run.get("distill_token_passes"))
-            and not isinstance(run.get("train_data"), str))
+    return (
+        run.get("objective") == "ce"
+        and run.get("trainable") == "all"
+        and pd.isna(run.get("distill_token_passes"))
+        and not isinstance(run.get("train_data"), str)
+    )
 
 
 def conversion_label(run: dict) -> str:
@@ -44,9 +48,11 @@ def conversion_label(run: dict) -> str:
     if run.get("method") == "original":
         return ""
     options = run.get("options") if isinstance(run.get("options"), str) else ""
-    if not pd.isna(run.get("kv_elements")):   # a KV-byte budget: its rope/latent split is the conversion
-        shape = (f"{run['rope']}, {_int(run['kv_elements'])} elements = {run.get('rope_dims')} rope dims"
-                 f" + {run['svd']} latent")
+    if not pd.isna(run.get("kv_elements")):  # a KV-byte budget: its rope/latent split is the conversion
+        shape = (
+            f"{run['rope']}, {_int(run['kv_elements'])} elements = {run.get('rope_dims')} rope dims"
+            f" + {run['svd']} latent"
+        )
     else:
         shape = f"{run['rope']} r={_int(run.get('r'))}, {run['svd']} d_kv={_int(run.get('d_kv'))}"
     return ", ".join(x for x in (shape, options) if x)
@@ -80,8 +86,9 @@ def _original(rows: list[Row]) -> Row | None:
     return next((r for r in rows if r.runs[0]["method"] == "original"), None)
 
 
-def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str,
-                   rows: list[Row] | None = None) -> pd.DataFrame:
+def recovery_table(
+    runs: pd.DataFrame, probes: pd.DataFrame, experiment: str, rows: list[Row] | None = None
+) -> pd.DataFrame:
     """`rows`: `scored_rows(runs, experiment)` where the caller has them already (the per-document read is slow)."""
     ok = _ok_runs(runs, experiment)
     ok = ok[ok["method"].isin(["original", "partial_rope+svd"])] if len(ok) else ok
@@ -92,8 +99,12 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str,
     curves = {}
     for run in ok.itertuples():
         probe = probes[probes["run_dir"] == run.run_dir] if len(probes) else probes
-        curves[run.run_dir] = pd.DataFrame({"seconds": run.distill_seconds + probe["elapsed_s"].astype(float),
-                                            "ppl": probe["heldout_ppl_probe"].astype(float)})
+        curves[run.run_dir] = pd.DataFrame(
+            {
+                "seconds": run.distill_seconds + probe["elapsed_s"].astype(float),
+                "ppl": probe["heldout_ppl_probe"].astype(float),
+            }
+        )
     ends = [c["seconds"].max() for c in curves.values() if len(c)]
     common = float(min(ends)) if ends else None
     rows = scored_rows(runs, experiment) if rows is None else rows
@@ -102,7 +113,7 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str,
     by_dir = {run["run_dir"]: run for run in ok.to_dict("records")}
     seeds_of = {run_dir: [run] for run_dir, run in by_dir.items()}
     for row in scored.values():
-        seeds_of |= {r["run_dir"]: [] for r in row.runs[1:]}   # written with the first seed
+        seeds_of |= {r["run_dir"]: [] for r in row.runs[1:]}  # written with the first seed
         seeds_of[row.runs[0]["run_dir"]] = [by_dir[r["run_dir"]] for r in row.runs]
     conversions = {run["run_dir"]: conversion_label(run) for run in ok.to_dict("records")}
     several = len({c for c in conversions.values() if c}) > 1
@@ -111,21 +122,28 @@ def recovery_table(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str,
     trains_elsewhere = ok["train_data"].notna().any() if "train_data" in ok else False
     at_common = f"ppl @ {common:.0f} s" if common else "ppl @ common s"
     records = []
-    for run in ok.sort_values(["method", "recipe"]).to_dict("records"):   # the original first
+    for run in ok.sort_values(["method", "recipe"]).to_dict("records"):  # the original first
         seeds = seeds_of[run["run_dir"]]
         if not seeds:
             continue
         row = scored.get(run["run_dir"])
         at_seconds = [ppl_at(curves[r["run_dir"]], common) for r in seeds] if common else []
         # the original is paired against the one reference recipe, when there is one conversion
-        reference = references.get(conversions[run["run_dir"]]) if conversions[run["run_dir"]] or several \
+        reference = (
+            references.get(conversions[run["run_dir"]])
+            if conversions[run["run_dir"]] or several
             else next(iter(references.values()), None)
+        )
         interval = row.intervals.get("avg") if row else None
         diff = delta(row, reference).get("avg") if row and reference and row is not reference else None
         record = {"conversion": conversions[run["run_dir"]]} if several else {}
         record |= {
-            "recipe": run["recipe"], "precision": run["precision"], "tokens": run["train_tokens"], "seeds": len(seeds),
-            "ILD s": _mean(seeds, "distill_s"), "fine-tune s": _mean(seeds, "train_s"),
+            "recipe": run["recipe"],
+            "precision": run["precision"],
+            "tokens": run["train_tokens"],
+            "seeds": len(seeds),
+            "ILD s": _mean(seeds, "distill_s"),
+            "fine-tune s": _mean(seeds, "train_s"),
             "tok/s": _mean(seeds, "train_tokens_per_s"),
             at_common: float(np.mean(at_seconds)) if at_seconds and None not in at_seconds else None,
             "final ppl": _mean(seeds, "heldout_ppl"),
@@ -181,24 +199,45 @@ def recovery_grid(runs: pd.DataFrame, experiment: str, rows: list[Row] | None = 
         if diff is None:
             continue
         recovered_on = run["train_data"] if isinstance(run.get("train_data"), str) else run.get("data")
-        records.append({
-            "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
-            "conversion": conversion_label(run) if run["method"] == "partial_rope+svd"
-            else "full attention (unconverted)",
-            "recovery": f"{run['objective']} on {str(recovered_on).split(' (')[0]}",
-            "recovery set": recovered_on, "own corpus": not isinstance(run.get("train_data"), str),
-            "objective": run["objective"], "tokens": int(run["train_tokens"]),
-            "lr": run.get("lr"), "trainable": run.get("trainable"), "precision": run.get("precision"),
-            "seeds": len(row.runs), "avg": row.scores.get("avg"),
-            "delta": diff.estimate, "low": diff.low, "high": diff.high, "resolved": diff.resolved,
-            "run_dir": run["run_dir"]})
+        records.append(
+            {
+                "kv saving %": float(run.get("kv_mem_change_pct") or 0.0),
+                "conversion": conversion_label(run)
+                if run["method"] == "partial_rope+svd"
+                else "full attention (unconverted)",
+                "recovery": f"{run['objective']} on {str(recovered_on).split(' (')[0]}",
+                "recovery set": recovered_on,
+                "own corpus": not isinstance(run.get("train_data"), str),
+                "objective": run["objective"],
+                "tokens": int(run["train_tokens"]),
+                "lr": run.get("lr"),
+                "trainable": run.get("trainable"),
+                "precision": run.get("precision"),
+                "seeds": len(row.runs),
+                "avg": row.scores.get("avg"),
+                "delta": diff.estimate,
+                "low": diff.low,
+                "high": diff.high,
+                "resolved": diff.resolved,
+                "run_dir": run["run_dir"],
+            }
+        )
     grid = pd.DataFrame.from_records(records)
     # the budget of an objective (kd pays the teacher's forward: fewer tokens) and the set of a recovery's text
-    usual = pd.DataFrame({column: grid.groupby(by)[column].transform(lambda s: s.mode(dropna=False).iloc[0])
-                          for column, by in (("tokens", "objective"), ("lr", "objective"),
-                                             ("trainable", "objective"), ("recovery set", "recovery"))})
-    grid["differs"] = [_differs(row, expected) for row, expected in
-                       zip(grid.to_dict("records"), usual.to_dict("records"))]
+    usual = pd.DataFrame(
+        {
+            column: grid.groupby(by)[column].transform(lambda s: s.mode(dropna=False).iloc[0])
+            for column, by in (
+                ("tokens", "objective"),
+                ("lr", "objective"),
+                ("trainable", "objective"),
+                ("recovery set", "recovery"),
+            )
+        }
+    )
+    grid["differs"] = [
+        _differs(row, expected) for row, expected in zip(grid.to_dict("records"), usual.to_dict("records"))
+    ]
     grid = grid.sort_values(["kv saving %", "conversion", "recovery"], ascending=[False, True, True])
     return grid.reset_index(drop=True)
 
@@ -218,8 +257,9 @@ def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
             return f" ({', '.join(named)})" if named else ""
 
         def interval(r: dict) -> str:
-            return _interval_text(SimpleNamespace(estimate=r["delta"], low=r["low"], high=r["high"],
-                                                  resolved=r["resolved"]), " n.r.")
+            return _interval_text(
+                SimpleNamespace(estimate=r["delta"], low=r["low"], high=r["high"], resolved=r["resolved"]), " n.r."
+            )
 
         return " / ".join(interval(r) + notes(r) for r in runs.to_dict("records"))
 
@@ -227,8 +267,9 @@ def recovery_matrix(grid: pd.DataFrame) -> pd.DataFrame:
     return matrix.sort_index(level=["kv saving %", "conversion"], ascending=[False, True]).reset_index()
 
 
-def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFrame,
-                          rows: list[Row] | None = None) -> pd.DataFrame:
+def recovery_interactions(
+    runs: pd.DataFrame, experiment: str, grid: pd.DataFrame, rows: list[Row] | None = None
+) -> pd.DataFrame:
     """Does what an ingredient buys depend on where it is bought? For each contrast between two recoveries that
     differ in one ingredient (an objective against ce on the same text; a text against the run's own corpus under
     the same objective) and each two compressing rows of the matrix that ran both: the contrast at each row and
@@ -240,31 +281,50 @@ def recovery_interactions(runs: pd.DataFrame, experiment: str, grid: pd.DataFram
     if not len(usual):
         return pd.DataFrame()
     scored = {row.runs[0]["run_dir"]: row for row in (scored_rows(runs, experiment) if rows is None else rows)}
-    cells = {}   # (kv saving %, conversion) -> recovery -> grid record
+    cells = {}  # (kv saving %, conversion) -> recovery -> grid record
     for (saving, conversion), group in usual.groupby(["kv saving %", "conversion"], sort=False):
         common = group["precision"].mode(dropna=False).iloc[0]
         preferred = group.assign(_other=group["precision"] != common).sort_values("_other")
-        cells[(saving, conversion)] = {r["recovery"]: r
-                                       for r in preferred.drop_duplicates("recovery").to_dict("records")}
+        cells[(saving, conversion)] = {
+            r["recovery"]: r for r in preferred.drop_duplicates("recovery").to_dict("records")
+        }
     records = []
     for name, recovery, baseline in _contrasts(usual):
-        having = sorted((key for key, row in cells.items() if recovery in row and baseline in row
-                         and all(scored[row[r]["run_dir"]].values is not None for r in (recovery, baseline))),
-                        key=lambda key: (-key[0], key[1]))
-        pair = {key: (scored[cells[key][recovery]["run_dir"]], scored[cells[key][baseline]["run_dir"]])
-                for key in having}
-        at = {key: contrast([one], [zero])["avg"] for key, (one, zero) in pair.items()}   # once per row, not per pair
+        having = sorted(
+            (
+                key
+                for key, row in cells.items()
+                if recovery in row
+                and baseline in row
+                and all(scored[row[r]["run_dir"]].values is not None for r in (recovery, baseline))
+            ),
+            key=lambda key: (-key[0], key[1]),
+        )
+        pair = {
+            key: (scored[cells[key][recovery]["run_dir"]], scored[cells[key][baseline]["run_dir"]]) for key in having
+        }
+        at = {key: contrast([one], [zero])["avg"] for key, (one, zero) in pair.items()}  # once per row, not per pair
         for a, b in combinations(having, 2):
             (a1, a0), (b1, b0) = pair[a], pair[b]
             interaction = contrast([a1, b0], [a0, b1])["avg"]
             precisions = {cells[key][r]["precision"] for key in (a, b) for r in (recovery, baseline)}
-            records.append({
-                "contrast": name, "kv saving % (a)": a[0], "conversion (a)": a[1],
-                "at a": _interval_text(at[a], " n.r."),
-                "kv saving % (b)": b[0], "conversion (b)": b[1], "at b": _interval_text(at[b], " n.r."),
-                "a − b [95% CI]": _interval_text(interaction, " n.r."), "estimate": interaction.estimate,
-                "low": interaction.low, "high": interaction.high, "resolved": interaction.resolved,
-                "training precisions": " / ".join(sorted(map(str, precisions)))})
+            records.append(
+                {
+                    "contrast": name,
+                    "kv saving % (a)": a[0],
+                    "conversion (a)": a[1],
+                    "at a": _interval_text(at[a], " n.r."),
+                    "kv saving % (b)": b[0],
+                    "conversion (b)": b[1],
+                    "at b": _interval_text(at[b], " n.r."),
+                    "a − b [95% CI]": _interval_text(interaction, " n.r."),
+                    "estimate": interaction.estimate,
+                    "low": interaction.low,
+                    "high": interaction.high,
+                    "resolved": interaction.resolved,
+                    "training precisions": " / ".join(sorted(map(str, precisions))),
+                }
+            )
     return pd.DataFrame.from_records(records)
 
 

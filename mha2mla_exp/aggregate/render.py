@@ -11,8 +11,7 @@ from .files import write_text
 from .records import recipe_label
 
 CI_NAMES = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}
-TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA",
-              "winogrande": "WG"}
+TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA", "winogrande": "WG"}
 
 
 def _missing(value) -> bool:
@@ -74,8 +73,9 @@ def eval_docs_label(row) -> str:
         return ""
     if "mmlu" in docs or "piqa" in docs:
         per_task = max(v for k, v in docs.items() if k != "mmlu") if len(docs) > 1 else None
-        text = ", ".join(p for p in (f"{per_task}/task" if per_task else "",
-                                     f"MMLU {docs['mmlu']}" if "mmlu" in docs else "") if p)
+        text = ", ".join(
+            p for p in (f"{per_task}/task" if per_task else "", f"MMLU {docs['mmlu']}" if "mmlu" in docs else "") if p
+        )
     else:
         text = f"{max(docs.values())}/length"
     return f"{text} · {row['eval_dtype']}" if isinstance(row.get("eval_dtype"), str) else text
@@ -161,14 +161,15 @@ def task_views(table: pd.DataFrame, tasks: list[str], paper_tasks: bool = True) 
 
 def display_frame(table: pd.DataFrame) -> pd.DataFrame:
     """Every cell as text: floats with two decimals, missing values as ''."""
+
     def cell(value):
         if _missing(value):
             return ""
         if isinstance(value, float):
             return f"{value:.2f}"
         return str(value)
-    return pd.DataFrame({column: [cell(v) for v in table[column]] for column in table.columns},
-                        columns=table.columns)
+
+    return pd.DataFrame({column: [cell(v) for v in table[column]] for column in table.columns}, columns=table.columns)
 
 
 def to_markdown(table: pd.DataFrame) -> str:
@@ -203,8 +204,13 @@ def _tabular(text: pd.DataFrame) -> str:
         for char in "\\&%$#_{}":
             value = value.replace(char, "\\" + char)
         return value
-    lines = [r"\begin{tabular}{" + "l" * len(text.columns) + "}", r"\toprule",
-             " & ".join(escape(str(c)) for c in text.columns) + r" \\", r"\midrule"]
+
+    lines = [
+        r"\begin{tabular}{" + "l" * len(text.columns) + "}",
+        r"\toprule",
+        " & ".join(escape(str(c)) for c in text.columns) + r" \\",
+        r"\midrule",
+    ]
     lines += [" & ".join(escape(v) for v in row) + r" \\" for row in text.itertuples(index=False)]
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}", ""])
 
@@ -218,8 +224,9 @@ def views_text(views: dict[str, pd.DataFrame], title: str = "", note: str = "") 
     return markdown, latex
 
 
-def write_views(out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "",
-                note: str = "") -> list[Path]:
+def write_views(
+    out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "", note: str = ""
+) -> list[Path]:
     """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
     markdown, latex = views_text(views, title, note)
     return [write_text(Path(out_dir) / f"{name}.md", markdown), write_text(Path(out_dir) / f"{name}.tex", latex)]
@@ -246,11 +253,17 @@ def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFr
     main, per_task = [], []
     for row in pairs.to_dict("records"):
         head = {"B": row["B"], "A": row["A"], "eval docs": row["eval docs"]}
-        main.append(head | {"Avg B": _avg(row), "Avg A": _num(row["A avg"]),
-                            "Δ B − A [95% CI]": _delta(row, "avg"), "CI": CI_NAMES.get(row.get("ci"), ""),
-                            "verdict": row.get("verdict") or ""})
-        per_task.append({"B": row["B"], "A": row["A"]} | {
-            TASK_NAMES.get(t, t): _delta(row, t) for t in tasks})
+        main.append(
+            head
+            | {
+                "Avg B": _avg(row),
+                "Avg A": _num(row["A avg"]),
+                "Δ B − A [95% CI]": _delta(row, "avg"),
+                "CI": CI_NAMES.get(row.get("ci"), ""),
+                "verdict": row.get("verdict") or "",
+            }
+        )
+        per_task.append({"B": row["B"], "A": row["A"]} | {TASK_NAMES.get(t, t): _delta(row, t) for t in tasks})
     return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
 
 
@@ -258,10 +271,17 @@ def dtype_view(check: pd.DataFrame, tasks: list[str]) -> pd.DataFrame:
     """Per model: the share of documents whose scored answer is the same in both dtypes, and the scores."""
     out = []
     for row in check.to_dict("records"):
-        line = {"model": row["model"], "eval docs": row["eval docs"], "dtype vs FP32": row["dtype"],
-                "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)"}
+        line = {
+            "model": row["model"],
+            "eval docs": row["eval docs"],
+            "dtype vs FP32": row["dtype"],
+            "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)",
+        }
         line |= {TASK_NAMES.get(t, t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
-        line |= {"Avg FP32": _num(row["avg FP32"]), "Avg": _num(row["avg"]),
-                 "Δ [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"])}
+        line |= {
+            "Avg FP32": _num(row["avg FP32"]),
+            "Avg": _num(row["avg"]),
+            "Δ [95% CI]": _interval(row["avg_delta"], row["avg_delta_low"], row["avg_delta_high"]),
+        }
         out.append(line)
     return pd.DataFrame(out)

@@ -69,7 +69,7 @@ class Entry:
     def __post_init__(self):
         if not self.name or "/" in self.name:
             raise ValueError(f"a table entry needs a file name, got {self.name!r}")
-        if isinstance(self.experiments, str):   # ("a") is a string, not a one-element tuple
+        if isinstance(self.experiments, str):  # ("a") is a string, not a one-element tuple
             raise TypeError(f"{self.name}: experiments must be a tuple of names, got {self.experiments!r}")
 
     @property

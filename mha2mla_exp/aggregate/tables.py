@@ -38,12 +38,12 @@ NOT_RESOLVED = "not resolved"
 class TableSpec:
     """Which rows (ours and the paper's) a table of the paper's kind holds, and how our rows are scored."""
 
-    suite: str                                   # commonsense | long_context: where our score comes from
+    suite: str  # commonsense | long_context: where our score comes from
     select: Callable[[pd.DataFrame], pd.Series]  # rows (ours and the paper's) that belong to the table
-    paper_score: str                             # the paper's headline column: avg | longbench.avg
+    paper_score: str  # the paper's headline column: avg | longbench.avg
     paper_tasks: tuple[str, ...]
-    paper_table: int | None = None               # the paper's table whose rows stand beside ours (None: none)
-    by_precision: bool = False                   # rows per KV quantization; baseline the unquantized original
+    paper_table: int | None = None  # the paper's table whose rows stand beside ours (None: none)
+    by_precision: bool = False  # rows per KV quantization; baseline the unquantized original
     with_kv_memory: bool = False
     extras: dict[str, str] = field(default_factory=dict)  # canonical column -> table column: ours, mean over
     #                                                       seeds, no interval (a row may have only these)
@@ -67,7 +67,7 @@ def _equals_or_unknown(values: pd.Series, expected: pd.Series) -> pd.Series:
 
 
 def _default_r(frame):
-    return _equals_or_unknown(frame["r"], _head_dim(frame) / 16)   # paper default r = d_h/16
+    return _equals_or_unknown(frame["r"], _head_dim(frame) / 16)  # paper default r = d_h/16
 
 
 def _unquantized(frame):
@@ -75,8 +75,12 @@ def _unquantized(frame):
 
 
 def _table1_mla(frame):
-    return (frame["method"] == "partial_rope+svd") & (frame["rope"] == "2-norm") & (frame["svd"] == "joint") \
+    return (
+        (frame["method"] == "partial_rope+svd")
+        & (frame["rope"] == "2-norm")
+        & (frame["svd"] == "joint")
         & _default_r(frame)
+    )
 
 
 def select_table1(frame):
@@ -90,8 +94,11 @@ def select_table2(frame):
 def select_table3(frame):
     # Table 3 fixes r = d_h/16 and, for the SVD rows, d_kv = d_h/4 (16 for SmolLM)
     partial = (frame["method"] == "partial_rope") & _default_r(frame)
-    low_rank = ((frame["method"] == "partial_rope+svd") & _default_r(frame)
-                & _equals_or_unknown(frame["d_kv"], _head_dim(frame) / 4))
+    low_rank = (
+        (frame["method"] == "partial_rope+svd")
+        & _default_r(frame)
+        & _equals_or_unknown(frame["d_kv"], _head_dim(frame) / 4)
+    )
     return _unquantized(frame) & (frame["method"].isin(UNCONVERTED) | partial | low_rank)
 
 
@@ -128,8 +135,9 @@ def _samples(path: str) -> pd.DataFrame:
 
 
 def _passkey_columns(columns) -> list[str]:
-    lengths = sorted({c for c in columns if c.startswith("long_context.passkey@")},
-                     key=lambda c: int(c.rsplit("@", 1)[1]))
+    lengths = sorted(
+        {c for c in columns if c.startswith("long_context.passkey@")}, key=lambda c: int(c.rsplit("@", 1)[1])
+    )
     return [c.removeprefix("long_context.") for c in lengths]
 
 
@@ -161,12 +169,12 @@ def _ours_column(spec: TableSpec, name: str) -> str:
 @dataclass
 class Row:
     key: dict
-    runs: list[dict]                       # one per seed
-    scores: dict[str, float] = field(default_factory=dict)      # points, mean over seeds
-    intervals: dict[str, paired.Interval] = field(default_factory=dict)   # of the scores, points
-    values: pd.DataFrame | None = None     # per-document values (seed means), fractions
-    se: dict[str, float] = field(default_factory=dict)          # binomial, fractions
-    spec: paired.ScoreSpec | None = None   # how its per-document values make its scores
+    runs: list[dict]  # one per seed
+    scores: dict[str, float] = field(default_factory=dict)  # points, mean over seeds
+    intervals: dict[str, paired.Interval] = field(default_factory=dict)  # of the scores, points
+    values: pd.DataFrame | None = None  # per-document values (seed means), fractions
+    se: dict[str, float] = field(default_factory=dict)  # binomial, fractions
+    spec: paired.ScoreSpec | None = None  # how its per-document values make its scores
 
     @property
     def seeds(self) -> list:
@@ -177,17 +185,22 @@ def rows_of_ours(spec: TableSpec, ours: pd.DataFrame) -> list[Row]:
     """Our runs as rows: one per (configuration, budget, eval sample), seeds counted once, with scores and
     their intervals."""
     sample = ours[f"eval_sample_{spec.suite}"]
-    for extra in spec.extras:   # a row scored only on an extra (LongBench) is keyed by that suite's docs
+    for extra in spec.extras:  # a row scored only on an extra (LongBench) is keyed by that suite's docs
         sample = sample.fillna(ours[f"eval_sample_{extra.split('.')[0]}"])
     ours = ours.assign(eval_sample=sample)
     scored = ours[spec.score].notna()
     for extra in spec.extras:
         scored |= ours[extra].notna()
     ours = ours[ours["eval_sample"].notna() & scored]
-    records = ours.assign(_has_samples=ours["samples_file"].notna()).sort_values(
-        ["_has_samples", "run_dir"], ascending=[False, True]).to_dict("records")
-    rows = {key: Row(key={c: runs[0].get(c) for c in ROW_KEYS}, runs=runs)
-            for key, runs in seeds_once(records, ROW_KEYS).items()}
+    records = (
+        ours.assign(_has_samples=ours["samples_file"].notna())
+        .sort_values(["_has_samples", "run_dir"], ascending=[False, True])
+        .to_dict("records")
+    )
+    rows = {
+        key: Row(key={c: runs[0].get(c) for c in ROW_KEYS}, runs=runs)
+        for key, runs in seeds_once(records, ROW_KEYS).items()
+    }
     for row in rows.values():
         score_spec = row.spec = _row_spec(spec, row.runs[0])
         columns = {name: _ours_column(spec, name) for name in score_spec.reported}
@@ -216,10 +229,23 @@ def _points(interval: paired.Interval) -> paired.Interval:
 
 def _baseline_key(key: dict, spec: TableSpec) -> dict | None:
     """The row key of `key`'s baseline (see the module docstring), or None for a row that has none."""
-    original = {"method": "original", "rope": "full", "r": None, "svd": "none", "d_kv": None, "options": None,
-                "distill_token_passes": None,
-                "kv_quant": UNQUANTIZED, "kv_grouping": None, "train_tokens": 0,
-                "objective": None, "trainable": None, "lr": None, "warmup": None, "precision": None}
+    original = {
+        "method": "original",
+        "rope": "full",
+        "r": None,
+        "svd": "none",
+        "d_kv": None,
+        "options": None,
+        "distill_token_passes": None,
+        "kv_quant": UNQUANTIZED,
+        "kv_grouping": None,
+        "train_tokens": 0,
+        "objective": None,
+        "trainable": None,
+        "lr": None,
+        "warmup": None,
+        "precision": None,
+    }
     if spec.by_precision:
         if key["method"] == "original" and key["kv_quant"] == UNQUANTIZED:
             return None
@@ -254,8 +280,9 @@ def delta(row: Row, base: Row) -> dict[str, paired.Interval]:
         if name not in row.scores or name not in base.scores:
             continue
         if name in ses[0] and name in ses[1]:
-            out[name] = _points(paired.unpaired_difference(row.scores[name] / 100, ses[0][name],
-                                                           base.scores[name] / 100, ses[1][name]))
+            out[name] = _points(
+                paired.unpaired_difference(row.scores[name] / 100, ses[0][name], base.scores[name] / 100, ses[1][name])
+            )
         else:  # a record without doc counts (e.g. from W&B): the difference, but no interval
             out[name] = paired.Interval(row.scores[name] - base.scores[name], np.nan, np.nan, "none")
     return out
@@ -265,8 +292,10 @@ def contrast(plus: list[Row], minus: list[Row]) -> dict[str, paired.Interval]:
     """The sum of `plus` minus the sum of `minus`, every reported column, in points, paired on their common
     documents (all rows must have per-document results on the same docs). An interaction, (a1 - a0) - (b1 - b0):
     `contrast([a1, b0], [a0, b1])`."""
-    return {k: _points(v) for k, v in paired.paired_contrast([r.values for r in plus], [r.values for r in minus],
-                                                               plus[0].spec).items()}
+    return {
+        k: _points(v)
+        for k, v in paired.paired_contrast([r.values for r in plus], [r.values for r in minus], plus[0].spec).items()
+    }
 
 
 def _se_from_intervals(row: Row) -> dict[str, float]:
@@ -336,26 +365,28 @@ def build_table(spec: TableSpec, runs: pd.DataFrame, paper: pd.DataFrame, all_pa
     for row in rows:
         base_key = _baseline_key(row.key, spec)
         bases = [] if base_key is None else by_key.get(_key(base_key, ROW_KEYS), [])
-        base = bases[0] if len(bases) == 1 else None   # two settings under one name: no baseline is chosen
+        base = bases[0] if len(bases) == 1 else None  # two settings under one name: no baseline is chosen
         diff = delta(row, base) if base is not None else {}
         pkey = _paper_key(row.key)
         matched.add(pkey)
         record = _identity(row.key, row.runs[0]) | _paper_cells(paper_by_key.get(pkey), spec)
         record |= row_cells(row, diff, spec.score, _task_columns(spec, score_spec))
-        record |= {"vs": None if base_key is None else _describe_baseline(base_key),
-                   "verdict": _verdict(row, base_key, base, diff) if len(bases) < 2 else "no baseline: 2 settings",
-                   "setting": row.runs[0].get("setting"),
-                   "kv_mem_change_pct": row.runs[0].get("kv_mem_change_pct")}
+        record |= {
+            "vs": None if base_key is None else _describe_baseline(base_key),
+            "verdict": _verdict(row, base_key, base, diff) if len(bases) < 2 else "no baseline: 2 settings",
+            "setting": row.runs[0].get("setting"),
+            "kv_mem_change_pct": row.runs[0].get("kv_mem_change_pct"),
+        }
         record |= {column: row.scores.get(column) for column in spec.extras.values()}
         records.append(record)
-    for key, paper_row in paper_by_key.items():   # the paper's rows we have no run for
+    for key, paper_row in paper_by_key.items():  # the paper's rows we have no run for
         if key not in matched:
             records.append(_identity(paper_row, {}) | _paper_cells(paper_row, spec) | {"n_seeds": 0})
     table = pd.DataFrame.from_records(records)
     columns = _columns(spec, score_spec, table)
     table = _sorted(table, spec)[columns].reset_index(drop=True)
     floats = table.select_dtypes("float").columns
-    table[floats] = table[floats].round(4)   # points: 1e-4 is far below any interval; no float noise in the CSV
+    table[floats] = table[floats].round(4)  # points: 1e-4 is far below any interval; no float noise in the CSV
     return table
 
 
@@ -364,17 +395,25 @@ def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> 
     interval, and per task the score and the difference (points)."""
     avg = row.intervals.get("avg")
     seed_scores = [float(r[score]) for r in row.runs if not pd.isna(r.get(score))]
-    cells = {"n_seeds": len(row.runs), "seeds": ",".join(_text(s) for s in row.seeds),
-             "per_doc": row.values is not None,
-             "ci": diff["avg"].kind if "avg" in diff and diff["avg"].kind != "none" else None,
-             "avg": row.scores.get("avg"), "avg_low": avg.low if avg else None, "avg_high": avg.high if avg else None,
-             "avg_seed_sd": float(np.std(seed_scores, ddof=1)) if len(seed_scores) > 1 else None}
+    cells = {
+        "n_seeds": len(row.runs),
+        "seeds": ",".join(_text(s) for s in row.seeds),
+        "per_doc": row.values is not None,
+        "ci": diff["avg"].kind if "avg" in diff and diff["avg"].kind != "none" else None,
+        "avg": row.scores.get("avg"),
+        "avg_low": avg.low if avg else None,
+        "avg_high": avg.high if avg else None,
+        "avg_seed_sd": float(np.std(seed_scores, ddof=1)) if len(seed_scores) > 1 else None,
+    }
     for name, prefix in [("avg", "avg_delta")] + [(t, f"{t}_delta") for t in tasks]:
         if name != "avg":
             cells[name] = row.scores.get(name)
         interval = diff.get(name)
-        cells |= {prefix: interval.estimate if interval else None, f"{prefix}_low": interval.low if interval else None,
-                  f"{prefix}_high": interval.high if interval else None}
+        cells |= {
+            prefix: interval.estimate if interval else None,
+            f"{prefix}_low": interval.low if interval else None,
+            f"{prefix}_high": interval.high if interval else None,
+        }
     return cells
 
 
@@ -396,8 +435,12 @@ def _identity(key: dict, run: dict) -> dict:
 
 def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
     paper_row = paper_row or {}
-    out = {"avg_paper": paper_row.get(spec.paper_score), "avg_delta_paper": paper_row.get("avg_delta_paper"),
-           "kv_mem_change_pct_paper": paper_row.get("kv_mem_change_pct"), "paper_order": paper_row.get("paper_order")}
+    out = {
+        "avg_paper": paper_row.get(spec.paper_score),
+        "avg_delta_paper": paper_row.get("avg_delta_paper"),
+        "kv_mem_change_pct_paper": paper_row.get("kv_mem_change_pct"),
+        "paper_order": paper_row.get("paper_order"),
+    }
     prefix = "" if spec.suite == "commonsense" else "longbench."
     for task in spec.paper_tasks:
         out[f"{task}_paper"] = paper_row.get(prefix + task)
@@ -405,13 +448,47 @@ def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
 
 
 def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame) -> list[str]:
-    columns = ["model", "ours_model", "experiment", "method", "rope", "r", "svd", "d_kv", "options",
-               "distill_token_passes", "objective", "trainable", "lr", "warmup", "precision"]
+    columns = [
+        "model",
+        "ours_model",
+        "experiment",
+        "method",
+        "rope",
+        "r",
+        "svd",
+        "d_kv",
+        "options",
+        "distill_token_passes",
+        "objective",
+        "trainable",
+        "lr",
+        "warmup",
+        "precision",
+    ]
     if spec.by_precision:
         columns += ["kv_quant", "kv_grouping", "kv_dtype", "kv_bytes_per_token"]
-    columns += ["data", "train_tokens", "eval_sample", "eval_docs", "eval_dtype", "n_seeds", "seeds", "per_doc",
-                "avg", "avg_low", "avg_high", "avg_seed_sd", "vs", "ci", "avg_delta", "avg_delta_low",
-                "avg_delta_high", "verdict", "avg_paper", "avg_delta_paper"]
+    columns += [
+        "data",
+        "train_tokens",
+        "eval_sample",
+        "eval_docs",
+        "eval_dtype",
+        "n_seeds",
+        "seeds",
+        "per_doc",
+        "avg",
+        "avg_low",
+        "avg_high",
+        "avg_seed_sd",
+        "vs",
+        "ci",
+        "avg_delta",
+        "avg_delta_low",
+        "avg_delta_high",
+        "verdict",
+        "avg_paper",
+        "avg_delta_paper",
+    ]
     if spec.with_kv_memory:
         columns += ["kv_mem_change_pct", "kv_mem_change_pct_paper"]
     columns += list(spec.extras.values())
@@ -430,23 +507,25 @@ def _sorted(table: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
         return table
     model_rank = table.groupby("model", dropna=False, sort=False)["paper_order"].transform("min")
     method_rank = table["method"].map({m: i for i, m in enumerate(METHODS)}).fillna(len(METHODS))
-    order = pd.DataFrame({
-        "model_rank": model_rank.astype(float).fillna(np.inf),
-        "model": table["model"].map(_text),
-        "paper_order": table["paper_order"].astype(float).fillna(np.inf),
-        "method_rank": method_rank,
-        "rope": table["rope"].map(_text),
-        "r": pd.to_numeric(table["r"], errors="coerce").fillna(-1),
-        "svd": table["svd"].map(_text),
-        "d_kv": -pd.to_numeric(table["d_kv"], errors="coerce").fillna(0),
-        "options": table["options"].map(_text),
-        "kv_quant": table["kv_quant"].map(lambda q: KV_QUANT_ORDER.index(q) if q in KV_QUANT_ORDER else 99),
-        "kv_grouping": table["kv_grouping"].map(_text),
-        "ours_model": table["ours_model"].map(_text),
-        "train_tokens": pd.to_numeric(table["train_tokens"], errors="coerce").fillna(-1),
-        "eval_sample": table["eval_sample"].map(_text),
-        "eval_dtype": table["eval_dtype"].map(_text),
-    })
+    order = pd.DataFrame(
+        {
+            "model_rank": model_rank.astype(float).fillna(np.inf),
+            "model": table["model"].map(_text),
+            "paper_order": table["paper_order"].astype(float).fillna(np.inf),
+            "method_rank": method_rank,
+            "rope": table["rope"].map(_text),
+            "r": pd.to_numeric(table["r"], errors="coerce").fillna(-1),
+            "svd": table["svd"].map(_text),
+            "d_kv": -pd.to_numeric(table["d_kv"], errors="coerce").fillna(0),
+            "options": table["options"].map(_text),
+            "kv_quant": table["kv_quant"].map(lambda q: KV_QUANT_ORDER.index(q) if q in KV_QUANT_ORDER else 99),
+            "kv_grouping": table["kv_grouping"].map(_text),
+            "ours_model": table["ours_model"].map(_text),
+            "train_tokens": pd.to_numeric(table["train_tokens"], errors="coerce").fillna(-1),
+            "eval_sample": table["eval_sample"].map(_text),
+            "eval_dtype": table["eval_dtype"].map(_text),
+        }
+    )
     return table.loc[order.sort_values(list(order.columns), kind="stable").index]
 
 

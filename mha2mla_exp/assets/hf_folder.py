@@ -42,9 +42,14 @@ def model_dir(name: str) -> Path:
             os.chmod(tmp, 0o755)
             log.info("converting %s to a safetensors folder at %s (once)", gguf.name, final)
             gguf_to_hf_folder(gguf, tmp)
-            meta = {"name": asset.name, "requirement": asset.requirement, "sha256": asset.sha256,
-                    "converted_from": asset.gguf, "license": asset.license,
-                    "note": "GGUF tensors dequantised to float32 by transformers; not the original bf16 weights"}
+            meta = {
+                "name": asset.name,
+                "requirement": asset.requirement,
+                "sha256": asset.sha256,
+                "converted_from": asset.gguf,
+                "license": asset.license,
+                "note": "GGUF tensors dequantised to float32 by transformers; not the original bf16 weights",
+            }
             (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
             publish(tmp, final)
         finally:

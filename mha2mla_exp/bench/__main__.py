@@ -24,15 +24,21 @@ GiB = 2**30
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench", description=__doc__)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--shapes", help=f"comma list of {', '.join(shapes.SHAPES)}, {shapes.REAL} "
-                   "(default: smollm-135m on CPU, all but tiny on GPU)")
+    p.add_argument(
+        "--shapes",
+        help=f"comma list of {', '.join(shapes.SHAPES)}, {shapes.REAL} "
+        "(default: smollm-135m on CPU, all but tiny on GPU)",
+    )
     p.add_argument("--batches", type=ints, help="default 1,16 (CPU) / 1,16,64 (GPU)")
     p.add_argument("--contexts", type=ints, help="default 1024,4096 (CPU) / 1024,4096,16384 (GPU)")
     p.add_argument("--out", type=Path, help="default results/bench/<machine tag>")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
-    p.add_argument("--mem-budget-gib", type=float,
-                   help="memory the caches and weights may use (default 90%% of the GPU; on CPU 40%% of free RAM)")
+    p.add_argument(
+        "--mem-budget-gib",
+        type=float,
+        help="memory the caches and weights may use (default 90%% of the GPU; on CPU 40%% of free RAM)",
+    )
     p.add_argument("--warmup", type=int, help="untimed steps first (default 1 CPU / 3 GPU)")
     p.add_argument("--repeats", type=int, help="timed steps (default 5 CPU / 20 GPU)")
     p.add_argument("--attention-batches", type=ints, help="microbenchmark batches (default: --batches)")
@@ -96,23 +102,37 @@ def bench_model(shape_name: str, model, args, decode_rows: list, capacity_rows: 
     for variant in variants_for(model, args.device):
         per_token = decode.measured_kv_bytes_per_token(variant, args.device)
         cap = decode.capacity_tokens(weights, per_token, args.budget)
-        capacity_rows.append({
-            "shape": shape_name, "variant": variant.name, "dtype": str(args.dtype).removeprefix("torch."),
-            "kv_bytes_per_token": per_token, "weights_bytes": weights, "budget_bytes": args.budget,
-            "capacity_tokens": cap, **{f"max_batch_at_{c}": cap // c for c in args.contexts},
-        })
+        capacity_rows.append(
+            {
+                "shape": shape_name,
+                "variant": variant.name,
+                "dtype": str(args.dtype).removeprefix("torch."),
+                "kv_bytes_per_token": per_token,
+                "weights_bytes": weights,
+                "budget_bytes": args.budget,
+                "capacity_tokens": cap,
+                **{f"max_batch_at_{c}": cap // c for c in args.contexts},
+            }
+        )
         for batch in args.batches:
             for context in args.contexts:
-                row = {"shape": shape_name, "variant": variant.name, "dtype": str(args.dtype).removeprefix("torch."),
-                       "batch": batch, "context": context, "kv_bytes_per_token": per_token,
-                       "weights_bytes": weights}
+                row = {
+                    "shape": shape_name,
+                    "variant": variant.name,
+                    "dtype": str(args.dtype).removeprefix("torch."),
+                    "batch": batch,
+                    "context": context,
+                    "kv_bytes_per_token": per_token,
+                    "weights_bytes": weights,
+                }
                 if not decode.fits(weights, per_token, batch, context, args.budget):
                     need = weights + 2.1 * per_token * batch * context
                     decode_rows.append(row | {"status": f"skipped: needs {need / GiB:.1f} GiB > budget"})
                     continue
                 log.info("%s %s batch %d context %d", shape_name, variant.name, batch, context)
-                row |= decode.time_decode(variant, batch, context, args.device, args.dtype,
-                                          warmup=args.warmup, repeats=args.repeats)
+                row |= decode.time_decode(
+                    variant, batch, context, args.device, args.dtype, warmup=args.warmup, repeats=args.repeats
+                )
                 row["status"] = "ok"
                 if variant.backend == "auto" and row["triton_steps"] == 0:
                     row["status"] = "kernel not used: modeling.py does not call absorbed_decode"
@@ -122,9 +142,12 @@ def bench_model(shape_name: str, model, args, decode_rows: list, capacity_rows: 
                 if args.device.type == "cpu":
                     row["rss_bytes"] = psutil.Process().memory_info().rss
                 decode_rows.append(row)
-                print(f"{shape_name:13s} {variant.name:20s} b{batch:<3d} ctx {context:6d}: "
-                      f"{row['step_s_median'] * 1e3:9.2f} ms (IQR {row['step_s_q1'] * 1e3:.2f}-"
-                      f"{row['step_s_q3'] * 1e3:.2f})  {row['tokens_per_s']:9.1f} tok/s", flush=True)
+                print(
+                    f"{shape_name:13s} {variant.name:20s} b{batch:<3d} ctx {context:6d}: "
+                    f"{row['step_s_median'] * 1e3:9.2f} ms (IQR {row['step_s_q1'] * 1e3:.2f}-"
+                    f"{row['step_s_q3'] * 1e3:.2f})  {row['tokens_per_s']:9.1f} tok/s",
+                    flush=True,
+                )
     kernels.set_backend("auto")
 
 
@@ -140,24 +163,38 @@ def main(argv=None) -> int:
     if args.threads:  # on a shared CPU one thread per process avoids OpenMP threads stalling each other
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = report.machine_info(args.device) | {"command": "python -m mha2mla_exp.bench " + " ".join(argv or sys.argv[1:]),
-                                                "dtype": str(args.dtype), "budget_bytes": args.budget}
+    info = report.machine_info(args.device) | {
+        "command": "python -m mha2mla_exp.bench " + " ".join(argv or sys.argv[1:]),
+        "dtype": str(args.dtype),
+        "budget_bytes": args.budget,
+    }
     torch.manual_seed(0)
     # the attention microbenchmark first (the GPU target, and quick), each result written as soon as
     # it exists, so that a run cut short by a timeout still leaves what it measured
     attention_rows: list[dict] = []
     if not args.no_attention:
-        attention_rows = attention.run_attention(args.attention_batches, args.attention_contexts, args.device,
-                                                 args.dtype, warmup=args.warmup, repeats=args.repeats,
-                                                 budget=args.attention_budget)
+        attention_rows = attention.run_attention(
+            args.attention_batches,
+            args.attention_contexts,
+            args.device,
+            args.dtype,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            budget=args.attention_budget,
+        )
         report.write_csv(attention_rows, args.out / "attention.csv")
-        print("attention only, Llama-2-7B layer (d_kv=16, r=8): speedup over MHA SDPA vs bound "
-              f"{attention.bound(128, 8, 16):.1f}x")
+        print(
+            "attention only, Llama-2-7B layer (d_kv=16, r=8): speedup over MHA SDPA vs bound "
+            f"{attention.bound(128, 8, 16):.1f}x"
+        )
         for row in attention_rows:
             if row.get("status") == "ok":
-                print(f"  b{row['batch']:<3d} ctx {row['context']:6d} {row['variant']:34s} "
-                      f"{row['s_median'] * 1e3:9.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
-                      f"{row['speedup_vs_mha']:5.2f}x = {100 * row['fraction_of_bound']:5.1f}% of bound", flush=True)
+                print(
+                    f"  b{row['batch']:<3d} ctx {row['context']:6d} {row['variant']:34s} "
+                    f"{row['s_median'] * 1e3:9.3f} ms  {row['gb_per_s']:8.1f} GB/s  "
+                    f"{row['speedup_vs_mha']:5.2f}x = {100 * row['fraction_of_bound']:5.1f}% of bound",
+                    flush=True,
+                )
 
     decode_rows: list[dict] = []
     capacity_rows: list[dict] = []

@@ -18,8 +18,17 @@ def bound(head_dim: int, r: int, d_kv: int) -> float:
 
 
 @torch.no_grad()
-def run_attention(batches, contexts, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int,
-                  budget: int, layer: dict = LAYER) -> list[dict]:
+def run_attention(
+    batches,
+    contexts,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    warmup: int,
+    repeats: int,
+    budget: int,
+    layer: dict = LAYER,
+) -> list[dict]:
     n_h, n_kv, d_h, r, d_kv = (layer[k] for k in ("num_heads", "num_kv_heads", "head_dim", "r", "d_kv"))
     width, rope = n_kv * d_kv, 2 * r
     nope = d_h - rope
@@ -39,14 +48,21 @@ def run_attention(batches, contexts, device: torch.device, dtype: torch.dtype, *
                 return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
             q, k, v = rand(b, n_h, 1, d_h), rand(b, n_kv, s, d_h), rand(b, n_kv, s, d_h)
-            q_rope, q_nope, k_rope, latent = rand(b, n_h, rope), rand(b, n_h, nope), rand(b, n_kv, s, rope), rand(b, s, width)
+            q_rope, q_nope, k_rope, latent = (
+                rand(b, n_h, rope),
+                rand(b, n_h, nope),
+                rand(b, n_kv, s, rope),
+                rand(b, s, width),
+            )
             w_uk, w_uv = rand(n_kv, nope, width) * 0.05, rand(n_kv, d_h, width) * 0.05
             q_latent = rand(b, n_h, width)
             whole = slice(0, width)
             variants = {
                 "mha_sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), mha_bytes),
-                "absorbed_plain": (lambda: absorbed_decode_reference(q_rope, q_latent, k_rope, latent, whole, whole,
-                                                                     scale), mla_bytes),
+                "absorbed_plain": (
+                    lambda: absorbed_decode_reference(q_rope, q_latent, k_rope, latent, whole, whole, scale),
+                    mla_bytes,
+                ),
             }
             if device.type == "cuda" and triton_available():
                 from ..mla.decode_triton import absorbed_decode_triton
@@ -65,11 +81,19 @@ def run_attention(batches, contexts, device: torch.device, dtype: torch.dtype, *
             for name, (fn, nbytes) in variants.items():
                 stats = measure(fn, device, warmup=warmup, repeats=repeats)
                 times[name] = stats["median"]
-                rows.append({"batch": b, "context": s, "variant": name, "status": "ok", "bytes_read": nbytes,
-                             **{f"s_{k}": v for k, v in stats.items()},
-                             "gb_per_s": nbytes / stats["median"] / 1e9})
+                rows.append(
+                    {
+                        "batch": b,
+                        "context": s,
+                        "variant": name,
+                        "status": "ok",
+                        "bytes_read": nbytes,
+                        **{f"s_{k}": v for k, v in stats.items()},
+                        "gb_per_s": nbytes / stats["median"] / 1e9,
+                    }
+                )
             limit = bound(d_h, r, d_kv)
-            for row in rows[-len(variants):]:
+            for row in rows[-len(variants) :]:
                 row["speedup_vs_mha"] = times["mha_sdpa"] / row["s_median"]
                 row["bound"] = limit
                 row["fraction_of_bound"] = row["speedup_vs_mha"] / limit

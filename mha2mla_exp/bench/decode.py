@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..mla import LatentCache, MLAForCausalLM, cache_nbytes
-from ..mla import kernels
+from ..mla import LatentCache, MLAForCausalLM, cache_nbytes, kernels
 from .timing import measure, synchronize
 
 GiB = 2**30
@@ -77,8 +76,9 @@ def filled_cache(variant: Variant, batch: int, context: int, device: torch.devic
 
 
 @torch.no_grad()
-def time_decode(variant: Variant, batch: int, context: int, device: torch.device, dtype: torch.dtype,
-                *, warmup: int, repeats: int) -> dict:
+def time_decode(
+    variant: Variant, batch: int, context: int, device: torch.device, dtype: torch.dtype, *, warmup: int, repeats: int
+) -> dict:
     """Latency of one decode step (the full model, one new token per sequence) at `context`."""
     variant.activate()
     cache = filled_cache(variant, batch, context, device, dtype)

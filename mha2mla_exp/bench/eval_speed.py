@@ -35,9 +35,12 @@ def lscpu() -> dict:
         return {"model_name": platform.processor() or platform.machine(), "flags": None}
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return {"model_name": fields.get("Model name"), "flags": fields.get("Flags"),
-            "cpus": fields.get("CPU(s)"), "bf16_instructions": [f for f in ("avx512_bf16", "amx_bf16")
-                                                                  if f in (fields.get("Flags") or "").split()]}
+    return {
+        "model_name": fields.get("Model name"),
+        "flags": fields.get("Flags"),
+        "cpus": fields.get("CPU(s)"),
+        "bf16_instructions": [f for f in ("avx512_bf16", "amx_bf16") if f in (fields.get("Flags") or "").split()],
+    }
 
 
 def scored_answer(row: dict) -> int:
@@ -58,8 +61,11 @@ def agreement(reference: list[dict], rows: list[dict]) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.eval_speed", description=__doc__)
-    p.add_argument("--settings", default="float32:16,bfloat16:1,bfloat16:8,bfloat16:16,bfloat16:32,bfloat16:64",
-                   help="dtype:batch_size list; the first is the reference (default: %(default)s)")
+    p.add_argument(
+        "--settings",
+        default="float32:16,bfloat16:1,bfloat16:8,bfloat16:16,bfloat16:32,bfloat16:64",
+        help="dtype:batch_size list; the first is the reference (default: %(default)s)",
+    )
     p.add_argument("--limit", type=int, default=60, help="docs per task (default %(default)s)")
     p.add_argument("--mmlu-limit", type=int, default=1, help="docs per MMLU subject (default %(default)s)")
     p.add_argument("--model", default="smollm2-135m", help="offline asset name (default %(default)s)")
@@ -89,20 +95,39 @@ def main(argv=None) -> int:
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         reference = reference or rows
         # CPU seconds (all threads of this process) are less sensitive than wall seconds to other jobs' load
-        result = {"dtype": dtype, "batch_size": batch, "seconds": round(seconds, 2), "docs": len(rows),
-                  "docs_per_s": round(len(rows) / seconds, 3), "cpu_seconds": round(cpu_seconds, 2),
-                  "docs_per_cpu_s": round(len(rows) / cpu_seconds, 3), "avg": scores["avg"],
-                  "agreement_with_reference": agreement(reference, rows),
-                  "load_average_before": load_before, "load_average_after": os.getloadavg()}
+        result = {
+            "dtype": dtype,
+            "batch_size": batch,
+            "seconds": round(seconds, 2),
+            "docs": len(rows),
+            "docs_per_s": round(len(rows) / seconds, 3),
+            "cpu_seconds": round(cpu_seconds, 2),
+            "docs_per_cpu_s": round(len(rows) / cpu_seconds, 3),
+            "avg": scores["avg"],
+            "agreement_with_reference": agreement(reference, rows),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        }
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if not k.startswith("load")}), flush=True)
         del model
-    machine = {"cpu": lscpu(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "python": platform.python_version(), "platform": platform.platform(),
-               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    record = {"command": "python -m mha2mla_exp.bench.eval_speed " + " ".join(sys.argv[1:] if argv is None else argv),
-              "model": args.model, "docs_per_task": args.limit, "mmlu_per_subject": args.mmlu_limit,
-              "reference": f"{settings[0][0]}, batch {settings[0][1]}", "machine": machine, "results": results}
+    machine = {
+        "cpu": lscpu(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    record = {
+        "command": "python -m mha2mla_exp.bench.eval_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model,
+        "docs_per_task": args.limit,
+        "mmlu_per_subject": args.mmlu_limit,
+        "reference": f"{settings[0][0]}, batch {settings[0][1]}",
+        "machine": machine,
+        "results": results,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eval_speed.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / "eval_speed.md").write_text(markdown(record))
@@ -111,24 +136,34 @@ def main(argv=None) -> int:
 
 def markdown(record: dict) -> str:
     ref = record["results"][0]
-    lines = [f"# Commonsense evaluation speed: {record['model']}", "",
-             f"`{record['command']}`", "",
-             f"{record['results'][0]['docs']} docs ({record['docs_per_task']} per task, {record['mmlu_per_subject']} "
-             f"per MMLU subject); CPU {record['machine']['cpu']['model_name']}, torch {record['machine']['torch']}, "
-             f"{record['machine']['torch_threads']} threads; bf16 instructions: "
-             f"{', '.join(record['machine']['cpu']['bf16_instructions']) or 'none'}. Answers compared with the "
-             f"reference ({record['reference']}) on the scored choice of every doc.", "",
-             "| dtype | batch | seconds | docs/s | speed-up | docs per CPU-s | speed-up (CPU) | same answers | Avg "
-             "| load avg (1 min) before → after |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Commonsense evaluation speed: {record['model']}",
+        "",
+        f"`{record['command']}`",
+        "",
+        f"{record['results'][0]['docs']} docs ({record['docs_per_task']} per task, {record['mmlu_per_subject']} "
+        f"per MMLU subject); CPU {record['machine']['cpu']['model_name']}, torch {record['machine']['torch']}, "
+        f"{record['machine']['torch_threads']} threads; bf16 instructions: "
+        f"{', '.join(record['machine']['cpu']['bf16_instructions']) or 'none'}. Answers compared with the "
+        f"reference ({record['reference']}) on the scored choice of every doc.",
+        "",
+        "| dtype | batch | seconds | docs/s | speed-up | docs per CPU-s | speed-up (CPU) | same answers | Avg "
+        "| load avg (1 min) before → after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in record["results"]:
         a = r["agreement_with_reference"]
-        cpu = (f"{r['docs_per_cpu_s']:.2f} | {r['docs_per_cpu_s'] / ref['docs_per_cpu_s']:.1f}x"
-               if "docs_per_cpu_s" in r and "docs_per_cpu_s" in ref else " | ")
-        lines.append(f"| {r['dtype']} | {r['batch_size']} | {r['seconds']:.0f} | {r['docs_per_s']:.2f} | "
-                     f"{r['docs_per_s'] / ref['docs_per_s']:.1f}x | {cpu} | {a['same_answer']}/{a['docs']} "
-                     f"({100 * a['share']:.1f} %) | {100 * r['avg']:.2f} | "
-                     f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f} |")
+        cpu = (
+            f"{r['docs_per_cpu_s']:.2f} | {r['docs_per_cpu_s'] / ref['docs_per_cpu_s']:.1f}x"
+            if "docs_per_cpu_s" in r and "docs_per_cpu_s" in ref
+            else " | "
+        )
+        lines.append(
+            f"| {r['dtype']} | {r['batch_size']} | {r['seconds']:.0f} | {r['docs_per_s']:.2f} | "
+            f"{r['docs_per_s'] / ref['docs_per_s']:.1f}x | {cpu} | {a['same_answer']}/{a['docs']} "
+            f"({100 * a['share']:.1f} %) | {100 * r['avg']:.2f} | "
+            f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

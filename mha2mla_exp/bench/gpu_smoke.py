@@ -66,52 +66,183 @@ COMMON = ("eval=none", "logger=none", "kv_measure_tokens=64", "rope=2-norm", "sv
 GPU = Plan(
     dry=False,
     # a random Llama of SmolLM2-135M's shape behind the byte-level tokenizer (no asset needed)
-    model=("model=tiny_random", "model.shape.num_layers=30", "model.shape.hidden_size=576",
-           "model.shape.num_heads=9", "model.shape.num_kv_heads=3", "model.shape.head_dim=64",
-           "model.shape.context_length=2048", "model.intermediate_size=1536", "model.finetune_length=1024",
-           "rope.r=4", "svd.d_kv=32", "data.max_documents=60", "calibration.num_sequences=16",
-           "calibration.seq_len=256"),
-    # 300 optimizer steps of 8 x 256 tokens
-    train=("train=cpu_short", "train.tokens=614400", "train.seq_len=256", "train.micro_batch_size=8",
-           "train.grad_accum=1", "train.warmup_steps=20", "train.checkpoint_every=1000", "train.log_every=1"),
-    long_context=("eval=long_context", "eval.perplexity.max_batches=4", "eval.long_context.lengths=[512,1024]",
-                  "eval.long_context.depths=[0.0,0.5,1.0]", "eval.long_context.samples_per_depth=2",
-                  "eval.long_context.ppl_lengths=[1024]", "eval.long_context.ppl_docs=2"),
-    decode_cases=(
-        {"name": "smollm2-135m joint", "batch": 8, "heads": 9, "kv_heads": 3, "rope_dims": 8, "latent": 96,
-         "split": False, "keys": 4096},
-        {"name": "llama2-7b split, left padded", "batch": 16, "heads": 32, "kv_heads": 32, "rope_dims": 16,
-         "latent": 512, "split": True, "keys": 4096, "padded": True},
-        {"name": "nope, short", "batch": 4, "heads": 32, "kv_heads": 8, "rope_dims": 0, "latent": 256,
-         "split": False, "keys": 300},
+    model=(
+        "model=tiny_random",
+        "model.shape.num_layers=30",
+        "model.shape.hidden_size=576",
+        "model.shape.num_heads=9",
+        "model.shape.num_kv_heads=3",
+        "model.shape.head_dim=64",
+        "model.shape.context_length=2048",
+        "model.intermediate_size=1536",
+        "model.finetune_length=1024",
+        "rope.r=4",
+        "svd.d_kv=32",
+        "data.max_documents=60",
+        "calibration.num_sequences=16",
+        "calibration.seq_len=256",
     ),
-    bench=("--shapes", "smollm-135m", "--batches", "1,16", "--contexts", "1024,4096", "--warmup", "2",
-           "--repeats", "10", "--attention-batches", "16", "--attention-contexts", "4096", "--no-plot"),
-    stage_caps_s={"machine": 30, "decode_kernel": 60, "train_precision": 170, "evaluation": 120, "fsdp": 90,
-                  "decode_bench": 90},
+    # 300 optimizer steps of 8 x 256 tokens
+    train=(
+        "train=cpu_short",
+        "train.tokens=614400",
+        "train.seq_len=256",
+        "train.micro_batch_size=8",
+        "train.grad_accum=1",
+        "train.warmup_steps=20",
+        "train.checkpoint_every=1000",
+        "train.log_every=1",
+    ),
+    long_context=(
+        "eval=long_context",
+        "eval.perplexity.max_batches=4",
+        "eval.long_context.lengths=[512,1024]",
+        "eval.long_context.depths=[0.0,0.5,1.0]",
+        "eval.long_context.samples_per_depth=2",
+        "eval.long_context.ppl_lengths=[1024]",
+        "eval.long_context.ppl_docs=2",
+    ),
+    decode_cases=(
+        {
+            "name": "smollm2-135m joint",
+            "batch": 8,
+            "heads": 9,
+            "kv_heads": 3,
+            "rope_dims": 8,
+            "latent": 96,
+            "split": False,
+            "keys": 4096,
+        },
+        {
+            "name": "llama2-7b split, left padded",
+            "batch": 16,
+            "heads": 32,
+            "kv_heads": 32,
+            "rope_dims": 16,
+            "latent": 512,
+            "split": True,
+            "keys": 4096,
+            "padded": True,
+        },
+        {
+            "name": "nope, short",
+            "batch": 4,
+            "heads": 32,
+            "kv_heads": 8,
+            "rope_dims": 0,
+            "latent": 256,
+            "split": False,
+            "keys": 300,
+        },
+    ),
+    bench=(
+        "--shapes",
+        "smollm-135m",
+        "--batches",
+        "1,16",
+        "--contexts",
+        "1024,4096",
+        "--warmup",
+        "2",
+        "--repeats",
+        "10",
+        "--attention-batches",
+        "16",
+        "--attention-contexts",
+        "4096",
+        "--no-plot",
+    ),
+    stage_caps_s={
+        "machine": 30,
+        "decode_kernel": 60,
+        "train_precision": 170,
+        "evaluation": 120,
+        "fsdp": 90,
+        "decode_bench": 90,
+    },
 )
 
 DRY = Plan(
     dry=True,
-    model=("model=tiny_random", "model.finetune_length=512", "rope.r=2", "svd.d_kv=8", "data.max_documents=24",
-           "calibration.num_sequences=4", "calibration.seq_len=32", "calibration.batch_size=2"),
-    # 16 optimizer steps of 4 x 64 tokens
-    train=("train=smoke", "train.tokens=4096", "train.seq_len=64", "train.micro_batch_size=4",
-           "train.grad_accum=1", "train.warmup_steps=2", "train.checkpoint_every=8"),
-    long_context=("eval=long_context", "eval.perplexity.max_batches=1", "eval.long_context.lengths=[512]",
-                  "eval.long_context.depths=[0.0]", "eval.long_context.samples_per_depth=1",
-                  "eval.long_context.ppl_lengths=[256]", "eval.long_context.ppl_docs=1"),
-    decode_cases=(
-        {"name": "tiny joint", "batch": 2, "heads": 4, "kv_heads": 2, "rope_dims": 4, "latent": 16,
-         "split": False, "keys": 40},
-        {"name": "tiny split, left padded", "batch": 2, "heads": 4, "kv_heads": 4, "rope_dims": 4, "latent": 32,
-         "split": True, "keys": 24, "padded": True},
+    model=(
+        "model=tiny_random",
+        "model.finetune_length=512",
+        "rope.r=2",
+        "svd.d_kv=8",
+        "data.max_documents=24",
+        "calibration.num_sequences=4",
+        "calibration.seq_len=32",
+        "calibration.batch_size=2",
     ),
-    bench=("--device", "cpu", "--shapes", "tiny", "--batches", "1", "--contexts", "64", "--warmup", "0",
-           "--repeats", "1", "--no-attention", "--no-plot", "--threads", "1"),
+    # 16 optimizer steps of 4 x 64 tokens
+    train=(
+        "train=smoke",
+        "train.tokens=4096",
+        "train.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.grad_accum=1",
+        "train.warmup_steps=2",
+        "train.checkpoint_every=8",
+    ),
+    long_context=(
+        "eval=long_context",
+        "eval.perplexity.max_batches=1",
+        "eval.long_context.lengths=[512]",
+        "eval.long_context.depths=[0.0]",
+        "eval.long_context.samples_per_depth=1",
+        "eval.long_context.ppl_lengths=[256]",
+        "eval.long_context.ppl_docs=1",
+    ),
+    decode_cases=(
+        {
+            "name": "tiny joint",
+            "batch": 2,
+            "heads": 4,
+            "kv_heads": 2,
+            "rope_dims": 4,
+            "latent": 16,
+            "split": False,
+            "keys": 40,
+        },
+        {
+            "name": "tiny split, left padded",
+            "batch": 2,
+            "heads": 4,
+            "kv_heads": 4,
+            "rope_dims": 4,
+            "latent": 32,
+            "split": True,
+            "keys": 24,
+            "padded": True,
+        },
+    ),
+    bench=(
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--batches",
+        "1",
+        "--contexts",
+        "64",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--no-attention",
+        "--no-plot",
+        "--threads",
+        "1",
+    ),
     # about 20 s a stage on 2 idle cores; the caps leave room for a loaded CI machine
-    stage_caps_s={"machine": 60, "decode_kernel": 120, "train_precision": 300, "evaluation": 300, "fsdp": 200,
-                  "decode_bench": 150},
+    stage_caps_s={
+        "machine": 60,
+        "decode_kernel": 120,
+        "train_precision": 300,
+        "evaluation": 300,
+        "fsdp": 200,
+        "decode_bench": 150,
+    },
     budget_s=900.0,
     loss_rtol=0.05,
     fsdp_checkpoint_every=8,
@@ -139,6 +270,7 @@ def stage_path(out: Path, stage: str) -> Path:
 
 # ---------------------------------------------------------------------------------------------- runner helpers
 
+
 def run_bounded(cmd: list[str], log, timeout: float, env: dict | None = None) -> int:
     """`cmd` in its own process group, output to the open file `log`; past `timeout` the whole group is killed
     (a runner's or torchrun's children too, which subprocess.run's timeout would leave running) and
@@ -152,12 +284,16 @@ def run_bounded(cmd: list[str], log, timeout: float, env: dict | None = None) ->
         raise
 
 
-def run_runner(overrides: list[str], results_dir: Path, log: Path, timeout: float, *, torchrun: bool = False,
-               device: str = "auto") -> tuple[int, Path | None]:
+def run_runner(
+    overrides: list[str], results_dir: Path, log: Path, timeout: float, *, torchrun: bool = False, device: str = "auto"
+) -> tuple[int, Path | None]:
     """One `python -m mha2mla_exp` run (or a one-process torchrun launch of it), its output in `log`: the exit code
     and the run directory it reported (a finished run found again is reported too, and not redone)."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if torchrun
-                else [sys.executable])
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        if torchrun
+        else [sys.executable]
+    )
     cmd = [*launcher, "-m", "mha2mla_exp", *overrides, f"device={device}", f"results_dir={results_dir}"]
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     with open(log, "w") as f:
@@ -178,12 +314,19 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     return json.loads((run_dir / "results.json").read_text()), curve
 
 
-def runner_stage_run(args, stage: str, name: str, overrides: list[str], results_dir: Path, *,
-                     torchrun: bool = False) -> tuple[dict, list[dict]]:
+def runner_stage_run(
+    args, stage: str, name: str, overrides: list[str], results_dir: Path, *, torchrun: bool = False
+) -> tuple[dict, list[dict]]:
     """A runner run inside a stage, under the stage's deadline, on the plan's device; RuntimeError if it failed."""
     log = args.work / "logs" / f"{stage}.{name}.log"
-    code, run_dir = run_runner(overrides, results_dir, log, args.stage_deadline - time.monotonic(),
-                               torchrun=torchrun, device="cpu" if args.dry else "cuda")
+    code, run_dir = run_runner(
+        overrides,
+        results_dir,
+        log,
+        args.stage_deadline - time.monotonic(),
+        torchrun=torchrun,
+        device="cpu" if args.dry else "cuda",
+    )
     if code != 0 or run_dir is None:
         raise RuntimeError(f"the {name} run exited {code}; the end of {log}:\n{log_tail(log)}")
     return read_run(run_dir)
@@ -201,7 +344,7 @@ def losses_of(curve: list[dict]) -> dict[int, float]:
 def tail_mean(losses: dict[int, float]) -> float:
     """Mean loss over the last tenth of the steps (at least 4): one step's noise is not a verdict."""
     steps = sorted(losses)
-    tail = steps[-max(4, len(steps) // 10):]
+    tail = steps[-max(4, len(steps) // 10) :]
     return sum(losses[s] for s in tail) / len(tail)
 
 
@@ -212,16 +355,20 @@ def compare_curves(reference: dict[int, float], other: dict[int, float], rtol: f
     out = {"steps": len(reference), "finite": finite, "same_steps": same_steps, "rtol": rtol}
     if finite and same_steps:
         ref_end, other_end = tail_mean(reference), tail_mean(other)
-        out |= {"reference_end_loss": ref_end, "other_end_loss": other_end,
-                "end_rel_gap": abs(other_end - ref_end) / abs(ref_end),
-                "first_step_abs_gap": abs(other[min(other)] - reference[min(reference)]),
-                "max_step_abs_gap": max(abs(other[s] - reference[s]) for s in reference)}
+        out |= {
+            "reference_end_loss": ref_end,
+            "other_end_loss": other_end,
+            "end_rel_gap": abs(other_end - ref_end) / abs(ref_end),
+            "first_step_abs_gap": abs(other[min(other)] - reference[min(reference)]),
+            "max_step_abs_gap": max(abs(other[s] - reference[s]) for s in reference),
+        }
     out["ok"] = finite and same_steps and out.get("end_rel_gap", math.inf) <= rtol
     return out
 
 
 def runner_runs(plan: Plan) -> dict[str, list[str]]:
     """Every runner run of the smoke by name, as overrides: what the stages launch (and tests validate)."""
+
     def twin(precision: str) -> list[str]:
         return [*COMMON, *plan.model, *plan.train, f"train.precision={precision}"]
 
@@ -239,6 +386,7 @@ def runner_runs(plan: Plan) -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------------------------------------------- stages
 
+
 def stage_machine(plan: Plan, args) -> tuple[str, str, dict]:
     import torch
 
@@ -253,6 +401,7 @@ def stage_machine(plan: Plan, args) -> tuple[str, str, dict]:
 def project_commit() -> dict:
     """The commit the code came from: git's answer, else (the device tool copies the working tree without .git)
     $MHA2MLA_COMMIT, else what `scripts/gpu_smoke.sh prepare` wrote into .whl/COMMIT."""
+
     def git(*cmd: str) -> str:
         try:
             return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -261,8 +410,11 @@ def project_commit() -> dict:
 
     commit = git("rev-parse", "HEAD")
     if commit:
-        return {"commit": commit, "commit_from": "git",
-                "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "commit": commit,
+            "commit_from": "git",
+            "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     if os.environ.get("MHA2MLA_COMMIT"):
         return {"commit": os.environ["MHA2MLA_COMMIT"], "commit_from": "$MHA2MLA_COMMIT"}
     prepared = ROOT / ".whl" / "COMMIT"
@@ -291,8 +443,7 @@ def stage_decode_kernel(plan: Plan, args) -> tuple[str, str, dict]:
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-        inputs = (rand(b, n_h, rd), rand(b, n_h, k_slice.stop - k_slice.start), rand(b, n_kv, s, rd),
-                  rand(b, s, width))
+        inputs = (rand(b, n_h, rd), rand(b, n_h, k_slice.stop - k_slice.start), rand(b, n_kv, s, rd), rand(b, s, width))
         valid_start = (torch.arange(b, device=device) * (s // (2 * b))) if case.get("padded") else None
         scale = (k_slice.stop - k_slice.start + rd) ** -0.5
         calls = triton_calls()
@@ -302,48 +453,76 @@ def stage_decode_kernel(plan: Plan, args) -> tuple[str, str, dict]:
         ref32 = absorbed_decode_reference(*(t.float() for t in inputs), k_slice, v_slice, scale, valid_start)
         ref_same_dtype = absorbed_decode_reference(*inputs, k_slice, v_slice, scale, valid_start)
         err = (out.float() - ref32).abs().max().item()
-        row = {**case, "kernel_calls": triton_calls() - calls, "out_dtype": str(out.dtype).removeprefix("torch."),
-               "max_abs_err_vs_fp32_reference": err,
-               "reference_in_same_dtype_max_abs_err_vs_fp32": (ref_same_dtype.float() - ref32).abs().max().item(),
-               "max_abs_reference": ref32.abs().max().item()}
+        row = {
+            **case,
+            "kernel_calls": triton_calls() - calls,
+            "out_dtype": str(out.dtype).removeprefix("torch."),
+            "max_abs_err_vs_fp32_reference": err,
+            "reference_in_same_dtype_max_abs_err_vs_fp32": (ref_same_dtype.float() - ref32).abs().max().item(),
+            "max_abs_reference": ref32.abs().max().item(),
+        }
         row["ok"] = row["kernel_calls"] == 1 and out.dtype == dtype and math.isfinite(err) and err <= atol
         ok &= row["ok"]
         rows.append(row)
     worst = max(r["max_abs_err_vs_fp32_reference"] for r in rows)
     from ..mla.decode_triton import interpreted
 
-    meas = {"atol": atol, "dtype": plan.decode_dtype, "interpreted": interpreted(), "device": str(device),
-            "cases": rows, "worst_err": worst}
-    return (*verdict(ok, f"the Triton kernel's {plan.decode_dtype} result is off the fp32 reference by {worst:.3g} "
-                     f"> atol {atol:g} (or it did not run, or not in {plan.decode_dtype}): see cases",
-                     f"{plan.decode_dtype} max abs error {worst:.3g} <= {atol:g}"),
-            meas)
+    meas = {
+        "atol": atol,
+        "dtype": plan.decode_dtype,
+        "interpreted": interpreted(),
+        "device": str(device),
+        "cases": rows,
+        "worst_err": worst,
+    }
+    return (
+        *verdict(
+            ok,
+            f"the Triton kernel's {plan.decode_dtype} result is off the fp32 reference by {worst:.3g} "
+            f"> atol {atol:g} (or it did not run, or not in {plan.decode_dtype}): see cases",
+            f"{plan.decode_dtype} max abs error {worst:.3g} <= {atol:g}",
+        ),
+        meas,
+    )
 
 
 def stage_train_precision(plan: Plan, args) -> tuple[str, str, dict]:
     rtol = args.loss_rtol if args.loss_rtol is not None else plan.loss_rtol
     shutil.rmtree(args.work / "runs", ignore_errors=True)  # fresh runs: a finished one would only be found again
-    runs = {precision: runner_stage_run(args, "train_precision", precision, runner_runs(plan)[precision],
-                                        args.work / "runs")
-            for precision in ("fp32", "bf16-autocast")}
+    runs = {
+        precision: runner_stage_run(
+            args, "train_precision", precision, runner_runs(plan)[precision], args.work / "runs"
+        )
+        for precision in ("fp32", "bf16-autocast")
+    }
     cmp = compare_curves(losses_of(runs["fp32"][1]), losses_of(runs["bf16-autocast"][1]), rtol)
     meas = {"comparison": cmp}
     for name, (record, _) in runs.items():
         train = record.get("train") or {}
-        meas[name] = {"status": record["status"], "device": record["machine"]["device"],
-                      "gpu": record["machine"].get("name"), "precision": train.get("precision"),
-                      "tf32": (record.get("placement") or {}).get("tf32"),
-                      "steps": train.get("steps"), "tokens": train.get("tokens"),
-                      "tokens_per_s": train.get("tokens_per_s"), "mfu": train.get("mfu"),
-                      "first_loss": train.get("first_loss"), "final_loss": train.get("final_loss"),
-                      "heldout_ppl": (record.get("eval") or {}).get("perplexity", {}).get("heldout"),
-                      "run_dir": record["run_dir"]}
+        meas[name] = {
+            "status": record["status"],
+            "device": record["machine"]["device"],
+            "gpu": record["machine"].get("name"),
+            "precision": train.get("precision"),
+            "tf32": (record.get("placement") or {}).get("tf32"),
+            "steps": train.get("steps"),
+            "tokens": train.get("tokens"),
+            "tokens_per_s": train.get("tokens_per_s"),
+            "mfu": train.get("mfu"),
+            "first_loss": train.get("first_loss"),
+            "final_loss": train.get("final_loss"),
+            "heldout_ppl": (record.get("eval") or {}).get("perplexity", {}).get("heldout"),
+            "run_dir": record["run_dir"],
+        }
     if meas["fp32"]["tokens_per_s"] and meas["bf16-autocast"]["tokens_per_s"]:
         meas["bf16_speedup"] = meas["bf16-autocast"]["tokens_per_s"] / meas["fp32"]["tokens_per_s"]
     modes = [(r.get("train") or {}).get("precision", {}).get("mode") for r, _ in runs.values()]
     ok = cmp["ok"] and modes == ["fp32", "bf16-autocast"]
-    why = (f"bf16-autocast's losses left its fp32 twin's: {json.dumps(cmp)}" if not cmp["ok"]
-           else f"the runs did not train in the precisions asked for: {modes}")
+    why = (
+        f"bf16-autocast's losses left its fp32 twin's: {json.dumps(cmp)}"
+        if not cmp["ok"]
+        else f"the runs did not train in the precisions asked for: {modes}"
+    )
     return (*verdict(ok, why, f"end loss gap {cmp.get('end_rel_gap', math.nan):.2%} <= {rtol:.0%}"), meas)
 
 
@@ -354,18 +533,29 @@ def stage_evaluation(plan: Plan, args) -> tuple[str, str, dict]:
     for name in ("original", "converted"):
         record, _ = runner_stage_run(args, "evaluation", name, runner_runs(plan)[name], args.work / "runs")
         ev = record.get("eval") or {}
-        scores = {"heldout_ppl": ev.get("perplexity", {}).get("heldout"),
-                  **{k: v for k, v in (ev.get("long_context") or {}).items() if isinstance(v, (int, float))},
-                  **{f"ppl.{k}": v for k, v in ev.get("perplexity", {}).items()
-                     if k.startswith("longdoc") and isinstance(v, (int, float))}}
+        scores = {
+            "heldout_ppl": ev.get("perplexity", {}).get("heldout"),
+            **{k: v for k, v in (ev.get("long_context") or {}).items() if isinstance(v, (int, float))},
+            **{
+                f"ppl.{k}": v
+                for k, v in ev.get("perplexity", {}).items()
+                if k.startswith("longdoc") and isinstance(v, (int, float))
+            },
+        }
         placement = record.get("placement") or {}  # where the runner put the evaluated model (runner/run.py)
-        meas[name] = {"status": record["status"], "device": placement.get("device", record["machine"]["device"]),
-                      "eval_dtype": record.get("eval_dtype"), "eval_dtype_reason": record.get("eval_dtype_reason"),
-                      "placement": placement or None,
-                      "scores": scores, "seconds": (ev.get("meta") or {}).get("seconds"),
-                      "trained_model": record.get("trained_model"), "train_s": (record.get("timings") or {}).get("train_s"),
-                      "kv": {k: (record.get("kv") or {}).get(k) for k in ("bytes_per_token_measured", "dtype", "cache")},
-                      "run_dir": record["run_dir"]}
+        meas[name] = {
+            "status": record["status"],
+            "device": placement.get("device", record["machine"]["device"]),
+            "eval_dtype": record.get("eval_dtype"),
+            "eval_dtype_reason": record.get("eval_dtype_reason"),
+            "placement": placement or None,
+            "scores": scores,
+            "seconds": (ev.get("meta") or {}).get("seconds"),
+            "trained_model": record.get("trained_model"),
+            "train_s": (record.get("timings") or {}).get("train_s"),
+            "kv": {k: (record.get("kv") or {}).get(k) for k in ("bytes_per_token_measured", "dtype", "cache")},
+            "run_dir": record["run_dir"],
+        }
     problems = []
     for name, m in meas.items():
         if m["status"] != "ok":
@@ -388,15 +578,25 @@ def stage_fsdp(plan: Plan, args) -> tuple[str, str, dict]:
     # its own results folder: train.strategy is not part of a run's identity, so the twin's folder would hold
     # this run as already done
     shutil.rmtree(args.work / "runs_fsdp", ignore_errors=True)
-    record, curve = runner_stage_run(args, "fsdp", "fsdp", runner_runs(plan)["fsdp"], args.work / "runs_fsdp",
-                                     torchrun=True)
+    record, curve = runner_stage_run(
+        args, "fsdp", "fsdp", runner_runs(plan)["fsdp"], args.work / "runs_fsdp", torchrun=True
+    )
     train = record.get("train") or {}
-    meas = {"status": record["status"], "device": record["machine"]["device"], "strategy": train.get("strategy"),
-            "processes": train.get("processes"), "precision": (train.get("precision") or {}).get("mode"),
-            "tokens_per_s": train.get("tokens_per_s"), "final_loss": train.get("final_loss"),
-            "run_dir": record["run_dir"]}
-    twin = (json.loads(stage_path(args.out, "train_precision").read_text())["measurements"].get("bf16-autocast")
-            if stage_path(args.out, "train_precision").exists() else None)
+    meas = {
+        "status": record["status"],
+        "device": record["machine"]["device"],
+        "strategy": train.get("strategy"),
+        "processes": train.get("processes"),
+        "precision": (train.get("precision") or {}).get("mode"),
+        "tokens_per_s": train.get("tokens_per_s"),
+        "final_loss": train.get("final_loss"),
+        "run_dir": record["run_dir"],
+    }
+    twin = (
+        json.loads(stage_path(args.out, "train_precision").read_text())["measurements"].get("bf16-autocast")
+        if stage_path(args.out, "train_precision").exists()
+        else None
+    )
     if twin and Path(twin["run_dir"]).is_dir():  # the single-process twin from train_precision: same data, seed, steps
         _, twin_curve = read_run(Path(twin["run_dir"]))
         meas["against_single_process_twin"] = compare_curves(losses_of(twin_curve), losses_of(curve), rtol)
@@ -404,8 +604,10 @@ def stage_fsdp(plan: Plan, args) -> tuple[str, str, dict]:
     if record["status"] != "ok":
         problems.append(f"status {record['status']}")
     if meas["strategy"] != "fsdp":
-        problems.append(f"the launch trained as {meas['strategy']!r}, not sharded: the recipe did not take the FSDP "
-                        "path for one process")
+        problems.append(
+            f"the launch trained as {meas['strategy']!r}, not sharded: the recipe did not take the FSDP "
+            "path for one process"
+        )
     if not all(math.isfinite(v) for v in losses_of(curve).values()) or not curve:
         problems.append("non-finite or missing losses")
     if not meas.get("against_single_process_twin", {"ok": True})["ok"]:
@@ -425,11 +627,23 @@ def stage_decode_bench(plan: Plan, args) -> tuple[str, str, dict]:
 
     with open(out / "decode.csv") as f:
         rows = list(csv.DictReader(f))
-    keep = ("shape", "variant", "dtype", "batch", "context", "status", "step_s_median", "tokens_per_s",
-            "kv_bytes_per_token", "peak_mem_bytes", "triton_steps")
+    keep = (
+        "shape",
+        "variant",
+        "dtype",
+        "batch",
+        "context",
+        "status",
+        "step_s_median",
+        "tokens_per_s",
+        "kv_bytes_per_token",
+        "peak_mem_bytes",
+        "triton_steps",
+    )
     meas = {"command": " ".join(cmd[1:]), "rows": [{k: r.get(k) for k in keep} for r in rows]}
-    problems = [f"{r['variant']} b{r['batch']} ctx {r['context']}: {r['status']}" for r in rows
-                if r.get("status") != "ok"]
+    problems = [
+        f"{r['variant']} b{r['batch']} ctx {r['context']}: {r['status']}" for r in rows if r.get("status") != "ok"
+    ]
     variants = {r["variant"] for r in rows}
     wanted = {"mha", "mla", "mla_absorbed"} | ({"mla_absorbed_triton"} if not plan.dry else set())
     if not wanted <= variants:
@@ -437,24 +651,41 @@ def stage_decode_bench(plan: Plan, args) -> tuple[str, str, dict]:
     return (*verdict(not problems, "; ".join(problems)), meas)
 
 
-STAGE_FUNCTIONS = {"machine": stage_machine, "decode_kernel": stage_decode_kernel,
-                   "train_precision": stage_train_precision, "evaluation": stage_evaluation, "fsdp": stage_fsdp,
-                   "decode_bench": stage_decode_bench}
+STAGE_FUNCTIONS = {
+    "machine": stage_machine,
+    "decode_kernel": stage_decode_kernel,
+    "train_precision": stage_train_precision,
+    "evaluation": stage_evaluation,
+    "fsdp": stage_fsdp,
+    "decode_bench": stage_decode_bench,
+}
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.gpu_smoke", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m mha2mla_exp.bench.gpu_smoke",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dry", action="store_true", help="the CPU dry mode (CI): tiny sizes, Triton interpreted")
-    p.add_argument("--out", type=Path, help="the stage files, summary.json and the benchmark's CSVs (default "
-                   "results/bench/gpu; with --dry a temporary folder)")
-    p.add_argument("--work", type=Path, help="the runs (their kept models: GBs on the GPU) and the logs "
-                   "(default: a temporary folder)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the stage files, summary.json and the benchmark's CSVs (default "
+        "results/bench/gpu; with --dry a temporary folder)",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        help="the runs (their kept models: GBs on the GPU) and the logs (default: a temporary folder)",
+    )
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
-    p.add_argument("--budget-s", type=float, help="all stages together, each also under its cap (default: 450 s, "
-                   "900 s with --dry)")
+    p.add_argument(
+        "--budget-s", type=float, help="all stages together, each also under its cap (default: 450 s, 900 s with --dry)"
+    )
     p.add_argument("--loss-rtol", type=float, help="bf16 vs fp32 end-loss gap allowed (default: the plan's)")
     p.add_argument("--decode-atol", type=float, help="Triton bf16 vs fp32 reference error allowed")
     p.add_argument("--run-stage", choices=STAGES, help=argparse.SUPPRESS)  # the child process of one stage
@@ -487,17 +718,37 @@ def run_stage(stage: str, args) -> int:
         import traceback
 
         status, reason, meas = "error", f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-4000:]}
-    write_json(stage_path(args.out, stage), {"stage": stage, "status": status, "reason": reason, "dry": plan.dry,
-                                             "seconds": round(time.monotonic() - start, 2), "measurements": meas})
+    write_json(
+        stage_path(args.out, stage),
+        {
+            "stage": stage,
+            "status": status,
+            "reason": reason,
+            "dry": plan.dry,
+            "seconds": round(time.monotonic() - start, 2),
+            "measurements": meas,
+        },
+    )
     return 0 if status == PASS else 1
 
 
 def run_stage_in_own_process(stage: str, args, limit: float) -> None:
-    cmd = [sys.executable, "-m", "mha2mla_exp.bench.gpu_smoke", "--run-stage", stage, "--out", str(args.out),
-           "--work", str(args.work),
-           "--stage-deadline-s", str(limit - 3), *(["--dry"] if args.dry else []),
-           *([f"--loss-rtol={args.loss_rtol}"] if args.loss_rtol is not None else []),
-           *([f"--decode-atol={args.decode_atol}"] if args.decode_atol is not None else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mha2mla_exp.bench.gpu_smoke",
+        "--run-stage",
+        stage,
+        "--out",
+        str(args.out),
+        "--work",
+        str(args.work),
+        "--stage-deadline-s",
+        str(limit - 3),
+        *(["--dry"] if args.dry else []),
+        *([f"--loss-rtol={args.loss_rtol}"] if args.loss_rtol is not None else []),
+        *([f"--decode-atol={args.decode_atol}"] if args.decode_atol is not None else []),
+    ]
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if args.dry else {}))  # on the CPU the kernel is interpreted
     start = time.monotonic()
     log_path = args.work / "logs" / f"{stage}.log"
@@ -508,11 +759,18 @@ def run_stage_in_own_process(stage: str, args, limit: float) -> None:
             pass  # recorded below: the stage left no file
     if not stage_path(args.out, stage).exists():
         timed_out = time.monotonic() - start >= limit - 1
-        write_json(stage_path(args.out, stage), {
-            "stage": stage, "status": "timeout" if timed_out else "error", "dry": args.dry,
-            "reason": f"the stage's process {'ran out of time' if timed_out else 'died'}; the end of {log_path}:\n"
-                      f"{log_tail(log_path)}",
-            "seconds": round(time.monotonic() - start, 2), "measurements": {}})
+        write_json(
+            stage_path(args.out, stage),
+            {
+                "stage": stage,
+                "status": "timeout" if timed_out else "error",
+                "dry": args.dry,
+                "reason": f"the stage's process {'ran out of time' if timed_out else 'died'}; the end of {log_path}:\n"
+                f"{log_tail(log_path)}",
+                "seconds": round(time.monotonic() - start, 2),
+                "measurements": {},
+            },
+        )
 
 
 def main(argv=None) -> int:
@@ -532,16 +790,28 @@ def main(argv=None) -> int:
         limit = min(plan.stage_caps_s[stage], deadline - time.monotonic())
         print(f"== {stage} (up to {limit:.0f} s)", flush=True)
         if limit < 5:
-            write_json(path, {"stage": stage, "status": "timeout", "reason": "no time left in the budget",
-                              "dry": plan.dry, "seconds": 0, "measurements": {}})
+            write_json(
+                path,
+                {
+                    "stage": stage,
+                    "status": "timeout",
+                    "reason": "no time left in the budget",
+                    "dry": plan.dry,
+                    "seconds": 0,
+                    "measurements": {},
+                },
+            )
         elif stage in OWN_PROCESS:
             run_stage_in_own_process(stage, args, limit)
         else:
             args.stage_deadline = time.monotonic() + limit
             run_stage(stage, args)
         result = json.loads(path.read_text())
-        summary["stages"][stage] = {"status": result["status"], "reason": result["reason"],
-                                    "seconds": result["seconds"]}
+        summary["stages"][stage] = {
+            "status": result["status"],
+            "reason": result["reason"],
+            "seconds": result["seconds"],
+        }
         print(f"   {result['status']}: {result['reason']} ({result['seconds']} s)", flush=True)
         write_json(args.out / "summary.json", summary)
     failed = [s for s, r in summary["stages"].items() if r["status"] != PASS]

@@ -59,8 +59,12 @@ def machine_info(device: torch.device) -> dict:
         info["triton"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info |= {"gpu": props.name, "gpu_memory_bytes": props.total_memory, "gpu_sms": props.multi_processor_count,
-                 "cuda": torch.version.cuda}
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_bytes": props.total_memory,
+            "gpu_sms": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+        }
     return info
 
 
@@ -87,12 +91,21 @@ def plot(decode_rows: list[dict], attention_rows: list[dict], path: Path) -> Non
     flat = axes.ravel()
     for ax, (shape, batch) in zip(flat, panels):
         for variant in dict.fromkeys(r["variant"] for r in ok):
-            pts = sorted((r["context"], r["step_s_median"] * 1e3, r["step_s_q1"] * 1e3, r["step_s_q3"] * 1e3)
-                         for r in ok if r["shape"] == shape and r["batch"] == batch and r["variant"] == variant)
+            pts = sorted(
+                (r["context"], r["step_s_median"] * 1e3, r["step_s_q1"] * 1e3, r["step_s_q3"] * 1e3)
+                for r in ok
+                if r["shape"] == shape and r["batch"] == batch and r["variant"] == variant
+            )
             if pts:
                 x, y, lo, hi = zip(*pts)
-                ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
-                            marker="o", capsize=3, label=variant)
+                ax.errorbar(
+                    x,
+                    y,
+                    yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
+                    marker="o",
+                    capsize=3,
+                    label=variant,
+                )
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape}, batch {batch}")
         ax.set_xlabel("context (tokens)")
@@ -104,12 +117,22 @@ def plot(decode_rows: list[dict], attention_rows: list[dict], path: Path) -> Non
         variants = [v for v in dict.fromkeys(r["variant"] for r in attn) if v != "mha_sdpa"]
         width = 0.8 / max(1, len(variants))
         for i, variant in enumerate(variants):
-            ys = [next((r["speedup_vs_mha"] for r in attn if (r["batch"], r["context"]) == lab
-                        and r["variant"] == variant), 0.0) for lab in labels]
+            ys = [
+                next(
+                    (
+                        r["speedup_vs_mha"]
+                        for r in attn
+                        if (r["batch"], r["context"]) == lab and r["variant"] == variant
+                    ),
+                    0.0,
+                )
+                for lab in labels
+            ]
             ax.bar([j + i * width for j in range(len(labels))], ys, width, label=variant)
         ax.axhline(attn[0]["bound"], color="k", ls="--", label=f"bytes bound {attn[0]['bound']:.1f}x")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], [f"b{b}/{s // 1024}k" for b, s in labels],
-                      fontsize=7)
+        ax.set_xticks(
+            [j + 0.4 - width / 2 for j in range(len(labels))], [f"b{b}/{s // 1024}k" for b, s in labels], fontsize=7
+        )
         ax.set_ylabel("speedup over MHA SDPA")
         ax.set_title("attention only, Llama-2-7B layer")
         ax.legend(fontsize=7)

@@ -32,10 +32,16 @@ class Shape:
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, max_position_embeddings=65536,
-            tie_word_embeddings=self.tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=65536,
+            tie_word_embeddings=self.tie,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
 
     @property
@@ -67,8 +73,13 @@ def build_mla(name: str, device: torch.device, dtype: torch.dtype) -> MLAForCaus
     values, so no SVD is run."""
     shape = SHAPES[name]
     llama = shape.llama_config()
-    spec = MLASpec.create(ModelShape(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
-                                     shape.head_dim), rope="uniform", r=shape.r, svd="joint", d_kv=shape.d_kv)
+    spec = MLASpec.create(
+        ModelShape(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim),
+        rope="uniform",
+        r=shape.r,
+        svd="joint",
+        d_kv=shape.d_kv,
+    )
     pairs = [[fixed_pairs("uniform", shape.r, shape.head_dim)] * shape.num_kv_heads] * shape.num_layers
     fields = llama.to_dict()
     for key in ("architectures", "model_type", "transformers_version", "dtype"):
@@ -88,8 +99,9 @@ def build_real(device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausal
     from ..models import load_model
     from ..schema.sections import ModelConfig
 
-    mha, _ = load_model(typed_section(ModelConfig, yaml.safe_load(MODEL_CONF.read_text()), "model"), device=device,
-                        dtype=dtype)
+    mha, _ = load_model(
+        typed_section(ModelConfig, yaml.safe_load(MODEL_CONF.read_text()), "model"), device=device, dtype=dtype
+    )
     s = REAL_SHAPE
     mla = convert_to_mla(mha, rope="uniform", r=s.r, svd="joint", d_kv=s.d_kv).to(device="cpu", dtype=dtype).eval()
     return mha.eval(), mla

@@ -24,8 +24,14 @@ def _flush_l2(device: torch.device) -> None:
     buf.zero_()
 
 
-def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5,
-            after: Callable[[], object] | None = None) -> dict:
+def measure(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    after: Callable[[], object] | None = None,
+) -> dict:
     """Seconds per call of `fn`: {'median', 'q1', 'q3', 'min', 'max', 'n'}.
 
     CUDA: each call timed by events with the L2 flushed before it; CPU: wall clock. `after` runs

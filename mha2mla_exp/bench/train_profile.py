@@ -34,13 +34,33 @@ from .train_precision import RECIPE, VARIANTS, machine_label, merge_rows, study_
 PHASES = ("teacher", "forward", "backward", "optimizer")
 KINDS = {  # operator -> kind; anything else is "other" (elementwise math, norms, activations, Python overhead)
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
-    "loss": ("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::nll_loss_forward",
-             "aten::nll_loss_backward", "aten::_softmax", "aten::_softmax_backward_data", "aten::exp", "aten::xlogy"),
-    "memory": ("aten::copy_", "aten::fill_", "aten::zero_", "aten::clone", "aten::cat", "aten::_to_copy",
-               "aten::index_add_", "aten::embedding_dense_backward", "aten::slice_backward", "aten::empty",
-               "aten::empty_strided"),
+    "attention": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
+    "loss": (
+        "aten::_log_softmax",
+        "aten::_log_softmax_backward_data",
+        "aten::nll_loss_forward",
+        "aten::nll_loss_backward",
+        "aten::_softmax",
+        "aten::_softmax_backward_data",
+        "aten::exp",
+        "aten::xlogy",
+    ),
+    "memory": (
+        "aten::copy_",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::clone",
+        "aten::cat",
+        "aten::_to_copy",
+        "aten::index_add_",
+        "aten::embedding_dense_backward",
+        "aten::slice_backward",
+        "aten::empty",
+        "aten::empty_strided",
+    ),
 }
 KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 TOP_OPS = 12
@@ -48,15 +68,26 @@ TOP_OPS = 12
 
 def profile_step(model, mode: str, variant: str, micro_batch_size: int, grad_accum: int, seq_len: int = 256):
     """(one row of shares, the top operators) for one profiled optimizer step after one warm-up step."""
-    recipe = RECIPE | VARIANTS[variant] | {"micro_batch_size": micro_batch_size, "grad_accum": grad_accum,
-                                           "seq_len": seq_len}
+    recipe = (
+        RECIPE
+        | VARIANTS[variant]
+        | {"micro_batch_size": micro_batch_size, "grad_accum": grad_accum, "seq_len": seq_len}
+    )
     tokens = seq_len * micro_batch_size * grad_accum
-    rows = FiniteRows(torch.randint(0, model.config.vocab_size, (64 * micro_batch_size * grad_accum, seq_len),
-                                    generator=torch.Generator().manual_seed(0)), seed=0)
+    rows = FiniteRows(
+        torch.randint(
+            0,
+            model.config.vocab_size,
+            (64 * micro_batch_size * grad_accum, seq_len),
+            generator=torch.Generator().manual_seed(0),
+        ),
+        seed=0,
+    )
     train = typed_section(TrainConfig, recipe | {"tokens": tokens * 4, "compile": False})
     with tempfile.TemporaryDirectory() as tmp:
-        recipe_run = FineTuneRecipe(copy.deepcopy(model), rows, train, Path(tmp),
-                                    precision=precision_for(mode, "cpu"), seed=0)
+        recipe_run = FineTuneRecipe(
+            copy.deepcopy(model), rows, train, Path(tmp), precision=precision_for(mode, "cpu"), seed=0
+        )
         recipe_run.setup()
         recipe_run.step()  # warm-up: allocator, kernel selection, the optimizer's state
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -81,14 +112,31 @@ def summarise(events, mode: str, variant: str, tokens: int, seconds: float) -> t
         entry[0] += self_s
         entry[1] += 1
     total = sum(by_kind.values()) or 1.0
-    row = {"mode": mode, "variant": variant, "tokens_per_step": tokens, "step_s": round(seconds, 3),
-           "tokens_per_s": round(tokens / seconds, 1), "profiled_s": round(total, 3)}
+    row = {
+        "mode": mode,
+        "variant": variant,
+        "tokens_per_step": tokens,
+        "step_s": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "profiled_s": round(total, 3),
+    }
     row |= {f"{kind}_share": round(s / total, 3) for kind, s in by_kind.items()}
     row |= {f"{phase}_share": round(s / total, 3) for phase, s in by_phase.items()}
     top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
-    table = pd.DataFrame([{"mode": mode, "variant": variant, "op": name, "kind": KIND_OF.get(name, "other"),
-                           "self_s": round(s, 3), "share": round(s / total, 3), "calls": calls}
-                          for name, (s, calls) in top])
+    table = pd.DataFrame(
+        [
+            {
+                "mode": mode,
+                "variant": variant,
+                "op": name,
+                "kind": KIND_OF.get(name, "other"),
+                "self_s": round(s, 3),
+                "share": round(s / total, 3),
+                "calls": calls,
+            }
+            for name, (s, calls) in top
+        ]
+    )
     return row, table
 
 
@@ -102,8 +150,11 @@ def _phase(event) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.train_profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mha2mla_exp.bench.train_profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench/cpu_train"))
     parser.add_argument("--modes", default="fp32")
     parser.add_argument("--variants", default="plain,fast", help=f"of {', '.join(VARIANTS)}")

@@ -8,7 +8,19 @@ from .sources import check_data_config, iter_documents, local_files
 from .stream import TrainStream
 
 __all__ = [
-    "FiniteRows", "PreparedData", "Packed", "StreamedData", "TrainStream", "calibration_batches", "check_data_config",
-    "concat_documents", "is_held_out", "iter_documents", "local_files", "local_rows", "pack", "prepare_data",
+    "FiniteRows",
+    "PreparedData",
+    "Packed",
+    "StreamedData",
+    "TrainStream",
+    "calibration_batches",
+    "check_data_config",
+    "concat_documents",
+    "is_held_out",
+    "iter_documents",
+    "local_files",
+    "local_rows",
+    "pack",
+    "prepare_data",
     "tokenizer_fingerprint",
 ]

@@ -17,8 +17,8 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..schema.sections import DataConfig
 from .held_out import row_documents
 from .packing import concat_documents, is_held_out, pack
 from .rows import FiniteRows, rechunk
+from .sources import check_data_config, corpus_fingerprint, iter_documents
 from .stream import StreamMixture, TrainStream, plan_mixture, read_held_out, read_shares
 from .tokens import bos_prefix, tokenize_documents
-from ..schema.sections import DataConfig
-from .sources import check_data_config, corpus_fingerprint, iter_documents
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PreparedData:
     train_tail: torch.Tensor
     held_out_tail: torch.Tensor
     stats: dict = field(default_factory=dict)
-    held_out_doc_lengths: torch.Tensor | None = None   # per held-out document, in stream order, separator included
+    held_out_doc_lengths: torch.Tensor | None = None  # per held-out document, in stream order, separator included
 
     def held_out_documents(self, seq_len: int | None = None) -> torch.Tensor | None:
         """Each held-out row's document (rows of `seq_len`, default the packing length; data/held_out.py)."""
@@ -155,8 +155,9 @@ def _cache_path(name: str, material: dict) -> Path:
     return cache_dir() / "data" / f"{name}-{key}.safetensors"
 
 
-def load_or_tokenize(data: DataConfig, tokenizer, separator: int, *, cache: bool = True
-                     ) -> tuple[dict, Path | None, bool]:
+def load_or_tokenize(
+    data: DataConfig, tokenizer, separator: int, *, cache: bool = True
+) -> tuple[dict, Path | None, bool]:
     """The tokenized streams, from the cache when its key matches; returns (tensors, cache path, hit)."""
     material = {
         "format": CACHE_FORMAT,
@@ -212,15 +213,24 @@ class StreamedData:
     def training_rows(self, seq_len: int, seed: int) -> TrainStream:
         """The stream after the held-out documents, packed into rows of `seq_len`, each window of
         `data.shuffle_rows` rows in an order drawn from `seed` (data.stream)."""
-        return TrainStream(self.data, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
-                           seed=seed, shuffle_rows=self.data.shuffle_rows, mixture=self.mixture)
+        return TrainStream(
+            self.data,
+            self.tokenizer,
+            self.separator_id,
+            seq_len,
+            self.held_out_digests,
+            seed=seed,
+            shuffle_rows=self.data.shuffle_rows,
+            mixture=self.mixture,
+        )
 
     def sample_train(self, n: int, seq_len: int, seed: int, *, after_tokens: int = 0) -> torch.Tensor:
         """`n` rows of `seq_len` read in order from the training stream after its first `after_tokens` tokens
         (calibration reads the head of the fine-tuning mix, as in the paper; a later sample passes over the
         earlier ones'). A stream is read in order, so `seed` plays no part here: `after_tokens` does."""
-        rows = TrainStream(self.data, self.tokenizer, self.separator_id, seq_len, self.held_out_digests,
-                           mixture=self.mixture)
+        rows = TrainStream(
+            self.data, self.tokenizer, self.separator_id, seq_len, self.held_out_digests, mixture=self.mixture
+        )
         rows.skip_tokens(after_tokens)
         return rows.next_rows(n)
 
@@ -238,20 +248,39 @@ def prepare_stream(data: DataConfig, tokenizer) -> StreamedData:
     stream, digests, n_docs, doc_lengths, held_out_by_source = read_held_out(data, tokenizer, separator, mixture)
     packed = pack(stream, seq_len)
     if packed.rows.shape[0] == 0:
-        raise ValueError(f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
-                         f"{stream.numel()} tokens, not one held-out row of {seq_len}; hold out more")
-    stats = {"name": name, "source": data.source, "streamed": True, "seq_len": seq_len, "separator_id": separator,
-             "documents": {"held_out": n_docs}, "tokens": {"held_out": int(stream.numel())},
-             "rows": {"held_out": int(packed.rows.shape[0])}, "tokenizer": tokenizer_fingerprint(tokenizer)["name"],
-             "document_prefix": bos_prefix(tokenizer),  # [BOS] where the tokenizer adds it (data/tokens.py)
-             # intended token shares, the measurement behind the document probabilities, and the held-out
-             # documents' own shares; the fine-tune's are in the record's train.data.mixture_read
-             "mixture": mixture.describe() | {"held_out": read_shares(held_out_by_source)}}
+        raise ValueError(
+            f"data.held_out_documents: the first {n_docs} documents of {name!r} hold "
+            f"{stream.numel()} tokens, not one held-out row of {seq_len}; hold out more"
+        )
+    stats = {
+        "name": name,
+        "source": data.source,
+        "streamed": True,
+        "seq_len": seq_len,
+        "separator_id": separator,
+        "documents": {"held_out": n_docs},
+        "tokens": {"held_out": int(stream.numel())},
+        "rows": {"held_out": int(packed.rows.shape[0])},
+        "tokenizer": tokenizer_fingerprint(tokenizer)["name"],
+        "document_prefix": bos_prefix(tokenizer),  # [BOS] where the tokenizer adds it (data/tokens.py)
+        # intended token shares, the measurement behind the document probabilities, and the held-out
+        # documents' own shares; the fine-tune's are in the record's train.data.mixture_read
+        "mixture": mixture.describe() | {"held_out": read_shares(held_out_by_source)},
+    }
     log.info("data %r (streamed): %d held-out documents, %d rows", name, n_docs, packed.rows.shape[0])
-    return StreamedData(name=name, seq_len=seq_len, separator_id=separator, held_out=packed.rows,
-                        held_out_tail=packed.tail, data=data, tokenizer=tokenizer, held_out_digests=digests,
-                        mixture=mixture, stats=stats,
-                        held_out_doc_lengths=doc_lengths)
+    return StreamedData(
+        name=name,
+        seq_len=seq_len,
+        separator_id=separator,
+        held_out=packed.rows,
+        held_out_tail=packed.tail,
+        data=data,
+        tokenizer=tokenizer,
+        held_out_digests=digests,
+        mixture=mixture,
+        stats=stats,
+        held_out_doc_lengths=doc_lengths,
+    )
 
 
 def prepare_data(data: DataConfig, tokenizer, *, cache: bool = True) -> PreparedData | StreamedData:
@@ -296,16 +325,26 @@ def prepare_data(data: DataConfig, tokenizer, *, cache: bool = True) -> Prepared
         stats["generation"] = generation_cost(data)
     log.info("data %r: %s", name, {k: stats[k] for k in ("documents", "tokens", "rows")})
     return PreparedData(
-        name=name, seq_len=seq_len, separator_id=separator,
-        train=packed["train"].rows, held_out=packed["held_out"].rows,
-        train_tail=packed["train"].tail, held_out_tail=packed["held_out"].tail, stats=stats,
+        name=name,
+        seq_len=seq_len,
+        separator_id=separator,
+        train=packed["train"].rows,
+        held_out=packed["held_out"].rows,
+        train_tail=packed["train"].tail,
+        held_out_tail=packed["held_out"].tail,
+        stats=stats,
         held_out_doc_lengths=tensors["held_out_doc_lengths"],
     )
 
 
 def calibration_batches(
-    prepared: PreparedData | StreamedData, n: int, seq_len: int | None = None, batch_size: int = 8, seed: int = 0,
-    *, stream_offset: int = 0,
+    prepared: PreparedData | StreamedData,
+    n: int,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    *,
+    stream_offset: int = 0,
 ) -> list[torch.Tensor]:
     """`n` sequences of `seq_len` tokens (default: the packing length) from the TRAIN split, in batches;
     the same arguments always give the same batches. A finite corpus draws them with `seed`; a stream reads

@@ -32,7 +32,9 @@ class FiniteRows:
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
-            self._orders = {epoch: torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + epoch))}
+            self._orders = {
+                epoch: torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed + epoch))
+            }
         return self._orders[epoch]
 
     def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
@@ -65,4 +67,4 @@ def local_rows(step_rows: torch.Tensor, micro: int, process: int, num_processes:
     """The rows of micro-batch `micro` on `process`: micro-batches interleave processes, so the global
     order of rows is the same for any split of the global batch into processes x accumulation steps."""
     start = (micro * num_processes + process) * micro_batch_size
-    return step_rows[start:start + micro_batch_size]
+    return step_rows[start : start + micro_batch_size]

@@ -23,8 +23,8 @@ import json
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +96,9 @@ def check_mixture(mixture: Any, *, missing_access: list[str] | None = None, reno
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ValueError(f"data.mixture: the weights sum to {total:g}, not 1")
     if renormalise and not available_parts(mixture, renormalise=True)[0]:
-        raise ValueError("data.missing_parts: renormalise drops every part of data.mixture: this machine can "
-                         "read none of them")
+        raise ValueError(
+            "data.missing_parts: renormalise drops every part of data.mixture: this machine can read none of them"
+        )
 
 
 def part_access_error(part: dict, where: str) -> str | None:
@@ -183,17 +184,22 @@ def probe_hub_datasets(mixture: list[dict]) -> list[str]:
         if part["path"] in PACKAGED_BUILDERS:
             continue
         if hub_offline():
-            notes.append(f"data.mixture[{i}].path {part['path']!r}: not checked (HF_HUB_OFFLINE); "
-                         "unknown until the stream opens")
+            notes.append(
+                f"data.mixture[{i}].path {part['path']!r}: not checked (HF_HUB_OFFLINE); unknown until the stream opens"
+            )
             continue
         try:
             HfApi().dataset_info(part["path"], revision=part.get("revision"), timeout=10)
         except RepositoryNotFoundError:
-            raise ValueError(f"data.mixture[{i}].path: no dataset {part['path']!r} on the hub "
-                             "(or it is private and you are not logged in)") from None
+            raise ValueError(
+                f"data.mixture[{i}].path: no dataset {part['path']!r} on the hub "
+                "(or it is private and you are not logged in)"
+            ) from None
         except Exception as err:  # unreachable hub: say so, let the stream decide
-            notes.append(f"data.mixture[{i}].path {part['path']!r}: not checked (hub unreachable: "
-                         f"{type(err).__name__}); unknown until the stream opens")
+            notes.append(
+                f"data.mixture[{i}].path {part['path']!r}: not checked (hub unreachable: "
+                f"{type(err).__name__}); unknown until the stream opens"
+            )
     return notes
 
 
@@ -259,8 +265,11 @@ def corpus_fingerprint(data: DataConfig) -> dict:
 
         from .teacher import teacher_fingerprint, teacher_model
 
-        return {"source": source, "teacher": teacher_fingerprint(teacher_model(data)),
-                "generation": asdict(data.generation)} | limits
+        return {
+            "source": source,
+            "teacher": teacher_fingerprint(teacher_model(data)),
+            "generation": asdict(data.generation),
+        } | limits
     return {"source": source, "mixture": data.mixture, "mixture_seed": data.mixture_seed} | limits
 
 
@@ -268,8 +277,10 @@ def iter_documents(data: DataConfig) -> Iterator[str]:
     """The documents of an asset or local `data` source, in a fixed order (limits are applied by the caller); a
     teacher source's are token ids (prepare.document_tokens reads them), a hub mixture's are streamed (stream.py)."""
     if data.source == "teacher":
-        raise ValueError("data.source: a teacher source's documents are token ids; read them with "
-                         "mha2mla_exp.data.prepare.document_tokens")
+        raise ValueError(
+            "data.source: a teacher source's documents are token ids; read them with "
+            "mha2mla_exp.data.prepare.document_tokens"
+        )
     if data.source == "asset":
         from ..assets import asset_documents
 
@@ -278,8 +289,10 @@ def iter_documents(data: DataConfig) -> Iterator[str]:
     elif data.source == "local":
         yield from read_local(local_files(data.paths), data.text_field)
     else:  # its weights are token shares: only the tokenizer turns them into the documents to read
-        raise ValueError("data.source: a hub mixture is read by mha2mla_exp.data.stream (StreamMixture), whose "
-                         "document probabilities come from the tokenizer; use prepare_data")
+        raise ValueError(
+            "data.source: a hub mixture is read by mha2mla_exp.data.stream (StreamMixture), whose "
+            "document probabilities come from the tokenizer; use prepare_data"
+        )
 
 
 def hub_mixture(mixture: list[dict], seed: int = 0, probabilities: list[float] | None = None):
@@ -291,7 +304,9 @@ def hub_mixture(mixture: list[dict], seed: int = 0, probabilities: list[float] |
     if len(streams) == 1:
         return streams[0]
     return datasets.interleave_datasets(
-        streams, probabilities=probabilities or [p["weight"] for p in mixture], seed=seed,
+        streams,
+        probabilities=probabilities or [p["weight"] for p in mixture],
+        seed=seed,
         stopping_strategy="first_exhausted",
     )
 
@@ -302,8 +317,12 @@ def part_stream(part: dict):
 
     extra = {"data_files": part["data_files"]} if part.get("data_files") else {}
     ds = datasets.load_dataset(
-        part["path"], part.get("config"), split=part.get("split", "train"), streaming=True,
-        revision=part.get("revision"), **extra,
+        part["path"],
+        part.get("config"),
+        split=part.get("split", "train"),
+        streaming=True,
+        revision=part.get("revision"),
+        **extra,
     )
     if part.get("blob_field"):
         ds = ds.map(_blob_fetcher(part), batched=True, batch_size=BLOB_BATCH)
@@ -342,12 +361,19 @@ def _blob_fetcher(part: dict):
 
 
 # python-edu: each document is one object in Software Heritage's bucket, so the reader fetches many at once
-BLOB_BATCH = 128        # documents per batched map call
-BLOB_WORKERS = 32       # fetches in flight
-BLOB_ATTEMPTS = 6       # per blob, on transient errors (botocore retries inside each attempt too)
-BLOB_BACKOFF_S = 1.0    # doubled after each failed attempt, at most 30 s
-_TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                       "ThrottlingException", "RequestLimitExceeded"}
+BLOB_BATCH = 128  # documents per batched map call
+BLOB_WORKERS = 32  # fetches in flight
+BLOB_ATTEMPTS = 6  # per blob, on transient errors (botocore retries inside each attempt too)
+BLOB_BACKOFF_S = 1.0  # doubled after each failed attempt, at most 30 s
+_TRANSIENT_S3_CODES = {
+    "SlowDown",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+}
 _TRANSIENT_BOTOCORE = {"HTTPClientError", "ResponseStreamingError", "IncompleteReadError"}  # connection, timeouts
 
 
@@ -379,8 +405,9 @@ def _s3_client():
                     "and AWS credentials allowed to read s3://softwareheritage (see the HuggingFaceTB/smollm-corpus "
                     "card), or set data.missing_parts=renormalise to drop it"
                 ) from None
-            _S3 = boto3.client("s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"},
-                                                   max_pool_connections=BLOB_WORKERS))
+            _S3 = boto3.client(
+                "s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"}, max_pool_connections=BLOB_WORKERS)
+            )
     return _S3
 
 

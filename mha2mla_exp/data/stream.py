@@ -87,11 +87,13 @@ class StreamMixture:
     def describe(self, tokens_by_source: dict[str, int] | None = None) -> dict:
         """For the run record: intended token shares, the measurement and the probabilities it gave, what was
         dropped, and (given the tokens read per part) the token shares measured over them."""
-        out = {"token_shares": dict(zip(self.names, self.token_shares)),
-               "dropped": list(self.dropped),
-               "mean_document_tokens": dict(zip(self.names, self.mean_document_tokens or [])) or None,
-               "documents_measured": dict(zip(self.names, self.documents_measured or [])) or None,
-               "document_probabilities": dict(zip(self.names, self.probabilities or [])) or None}
+        out = {
+            "token_shares": dict(zip(self.names, self.token_shares)),
+            "dropped": list(self.dropped),
+            "mean_document_tokens": dict(zip(self.names, self.mean_document_tokens or [])) or None,
+            "documents_measured": dict(zip(self.names, self.documents_measured or [])) or None,
+            "document_probabilities": dict(zip(self.names, self.probabilities or [])) or None,
+        }
         if tokens_by_source is not None:
             out |= read_shares(tokens_by_source)
         return out
@@ -99,8 +101,10 @@ class StreamMixture:
 
 def read_shares(tokens_by_source: dict[str, int]) -> dict:
     total = sum(tokens_by_source.values())
-    return {"tokens_read": dict(tokens_by_source),
-            "token_shares_read": {k: v / total for k, v in tokens_by_source.items()} if total else {}}
+    return {
+        "tokens_read": dict(tokens_by_source),
+        "token_shares_read": {k: v / total for k, v in tokens_by_source.items()} if total else {},
+    }
 
 
 def plan_mixture(data: DataConfig, tokenizer) -> StreamMixture:
@@ -108,8 +112,11 @@ def plan_mixture(data: DataConfig, tokenizer) -> StreamMixture:
     `length_sample_documents` documents, as they land in the stream (BOS, separator included)."""
     kept, dropped = mixture_parts(data)
     if dropped:
-        log.warning("data.missing_parts=renormalise: dropped %s; token shares now %s",
-                    [d["name"] for d in dropped], {part_name(p): round(s, 4) for p, s in kept})
+        log.warning(
+            "data.missing_parts=renormalise: dropped %s; token shares now %s",
+            [d["name"] for d in dropped],
+            {part_name(p): round(s, 4) for p, s in kept},
+        )
     parts, shares = [p for p, _ in kept], [s for _, s in kept]
     means = counted = None
     if len(parts) > 1:
@@ -127,8 +134,13 @@ def _measured_lengths(parts: list[dict], wanted: int, tokenizer) -> tuple[list[f
     from .prepare import tokenizer_fingerprint
 
     prefix = bos_prefix(tokenizer)
-    material = {"parts": parts, "documents": wanted, "tokenizer": tokenizer_fingerprint(tokenizer), "prefix": prefix,
-                "local_files": [_file_identity(part) for part in parts]}
+    material = {
+        "parts": parts,
+        "documents": wanted,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "prefix": prefix,
+        "local_files": [_file_identity(part) for part in parts],
+    }
     key = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = cache_dir() / "data" / f"mixture-lengths-{key}.json"
     if path.is_file():
@@ -139,8 +151,11 @@ def _measured_lengths(parts: list[dict], wanted: int, tokenizer) -> tuple[list[f
         texts = [t for _, (_, t) in zip(range(wanted), _documents(part_stream(part)))]
         if not texts:
             raise ValueError(f"data.mixture: part {part_name(part)!r} has no documents")
-        tokens = sum(len(ids) + 1 for start in range(0, len(texts), _CHUNK)
-                     for ids in tokenize_documents(tokenizer, texts[start:start + _CHUNK], prefix))
+        tokens = sum(
+            len(ids) + 1
+            for start in range(0, len(texts), _CHUNK)
+            for ids in tokenize_documents(tokenizer, texts[start : start + _CHUNK], prefix)
+        )
         means.append(tokens / len(texts))
         counted.append(len(texts))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,12 +169,14 @@ def _file_identity(part: dict) -> list:
     """(path, size, mtime) of a packaged builder's local data files: a file rewritten in place is measured anew."""
     files = part.get("data_files") or []
     files = [files] if isinstance(files, str) else files
-    return [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files
-            if "://" not in f and Path(f).is_file()]
+    return [
+        (f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files if "://" not in f and Path(f).is_file()
+    ]
 
 
-def read_held_out(data: DataConfig, tokenizer, separator: int, mixture: StreamMixture | None = None
-                  ) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor, dict[str, int]]:
+def read_held_out(
+    data: DataConfig, tokenizer, separator: int, mixture: StreamMixture | None = None
+) -> tuple[torch.Tensor, set[bytes], int, torch.Tensor, dict[str, int]]:
     """The first `held_out_documents` documents as one token stream; their digests; the count read; each
     document's length in the stream (its separator included); the tokens per mixture part."""
     mixture = mixture or plan_mixture(data, tokenizer)
@@ -171,21 +188,36 @@ def read_held_out(data: DataConfig, tokenizer, separator: int, mixture: StreamMi
             break
     prefix = bos_prefix(tokenizer)
     for start in range(0, len(docs), _CHUNK):
-        chunk = docs[start:start + _CHUNK]
+        chunk = docs[start : start + _CHUNK]
         for (source, _), ids in zip(chunk, tokenize_documents(tokenizer, [t for _, t in chunk], prefix)):
             stream.extend(ids)
             stream.append(separator)
             lengths.append(len(ids) + 1)
             by_source[source] = by_source.get(source, 0) + len(ids) + 1
-    return (torch.tensor(stream, dtype=torch.long), {text_digest(t) for _, t in docs}, len(docs),
-            torch.tensor(lengths, dtype=torch.long), by_source)
+    return (
+        torch.tensor(stream, dtype=torch.long),
+        {text_digest(t) for _, t in docs},
+        len(docs),
+        torch.tensor(lengths, dtype=torch.long),
+        by_source,
+    )
 
 
 class TrainStream:
     """Training rows `[n, seq_len]` read in order from the stream, skipping the held-out documents."""
 
-    def __init__(self, data: DataConfig, tokenizer, separator: int, seq_len: int, held_out_digests: set[bytes], *,
-                 seed: int = 0, shuffle_rows: int = 0, mixture: StreamMixture | None = None):
+    def __init__(
+        self,
+        data: DataConfig,
+        tokenizer,
+        separator: int,
+        seq_len: int,
+        held_out_digests: set[bytes],
+        *,
+        seed: int = 0,
+        shuffle_rows: int = 0,
+        mixture: StreamMixture | None = None,
+    ):
         self.data, self.tokenizer, self.separator, self.seq_len = data, tokenizer, separator, seq_len
         self.mixture = mixture or plan_mixture(data, tokenizer)
         self.prefix = bos_prefix(tokenizer)
@@ -222,7 +254,7 @@ class TrainStream:
                 if self.window is None or self.window_pos == len(self.window):
                     self._next_window()
                 take = min(left, len(self.window) - self.window_pos)
-                parts.append(self.window[self.window_pos:self.window_pos + take])
+                parts.append(self.window[self.window_pos : self.window_pos + take])
                 self.window_pos += take
                 left -= take
             rows = torch.cat(parts)
@@ -280,8 +312,10 @@ class TrainStream:
     def step_rows(self, step: int, rows_per_step: int) -> torch.Tensor:
         """The rows of global step `step`; a stream is read in order, so steps come one after another."""
         if self.rows_read != step * rows_per_step:
-            raise RuntimeError(f"stream position {self.rows_read} rows is not the start of step {step} "
-                               f"({step * rows_per_step} rows): restore its state_dict to resume")
+            raise RuntimeError(
+                f"stream position {self.rows_read} rows is not the start of step {step} "
+                f"({step * rows_per_step} rows): restore its state_dict to resume"
+            )
         return self.next_rows(rows_per_step)
 
     def epochs(self, rows_read: int) -> None:
@@ -295,11 +329,15 @@ class TrainStream:
     tokens_available = None  # unbounded
 
     def _raw_state(self) -> dict:
-        return {"dataset": self.dataset.state_dict(), "buffer": list(self.buffer),
-                "buffer_sources": [list(run) for run in self.buffer_sources],
-                "tokens_by_source": dict(self.tokens_by_source),
-                "documents_read": self.documents_read, "skipped_head": self._skipped_head,
-                "mixture": self._mixture_identity()}
+        return {
+            "dataset": self.dataset.state_dict(),
+            "buffer": list(self.buffer),
+            "buffer_sources": [list(run) for run in self.buffer_sources],
+            "tokens_by_source": dict(self.tokens_by_source),
+            "documents_read": self.documents_read,
+            "skipped_head": self._skipped_head,
+            "mixture": self._mixture_identity(),
+        }
 
     def _mixture_identity(self) -> dict:
         return {"parts": self.mixture.names, "document_probabilities": self.mixture.probabilities}
@@ -308,8 +346,10 @@ class TrainStream:
         # the same position under other probabilities (a part's head changed on the hub, another tokenizer, a
         # part dropped or back) would read other rows than the interrupted run: say so instead
         if state["mixture"] != self._mixture_identity():
-            raise RuntimeError(f"data: this stream's mixture {self._mixture_identity()} is not the one its "
-                               f"checkpoint was read with {state['mixture']}; it cannot resume those rows")
+            raise RuntimeError(
+                f"data: this stream's mixture {self._mixture_identity()} is not the one its "
+                f"checkpoint was read with {state['mixture']}; it cannot resume those rows"
+            )
         self.dataset.load_state_dict(state["dataset"])
         self.buffer = list(state["buffer"])
         self.buffer_sources = [list(run) for run in state["buffer_sources"]]
@@ -320,9 +360,12 @@ class TrainStream:
     def state_dict(self) -> dict:
         if self.window is None:
             return self._raw_state() | {"rows_read": self.rows_read, "windows_started": self.windows_started}
-        return self.window_start | {"rows_read": self.rows_read, "windows_started": self.windows_started - 1,
-                                    "window_pos": self.window_pos,
-                                    "tokens_by_source": dict(self.tokens_by_source)}  # the window counted whole
+        return self.window_start | {
+            "rows_read": self.rows_read,
+            "windows_started": self.windows_started - 1,
+            "window_pos": self.window_pos,
+            "tokens_by_source": dict(self.tokens_by_source),
+        }  # the window counted whole
 
     def load_state_dict(self, state: dict) -> None:
         self._load_raw_state(state)

@@ -64,8 +64,10 @@ def teacher_model(data: DataConfig) -> ModelConfig:
     if isinstance(data.teacher, ModelConfig):
         return data.teacher
     if not isinstance(data.teacher, Mapping):
-        raise ValueError(f"data.teacher: a teacher source names the model that writes it (a model config; "
-                         f"conf/data/teacher_samples.yaml uses the run's own, ${{model}}), got {data.teacher!r}")
+        raise ValueError(
+            f"data.teacher: a teacher source names the model that writes it (a model config; "
+            f"conf/data/teacher_samples.yaml uses the run's own, ${{model}}), got {data.teacher!r}"
+        )
     from ..confutil import typed_section
 
     return typed_section(ModelConfig, data.teacher, "data.teacher")
@@ -100,8 +102,12 @@ def teacher_fingerprint(teacher: ModelConfig) -> dict:
         asset = get_asset(teacher.id, kind="model")
         fp |= {"asset": asset.requirement, "sha256": asset.sha256}
     elif teacher.source == "random":
-        fp |= {"shape": asdict(teacher.shape), "vocab_size": teacher.vocab_size,
-               "intermediate_size": teacher.intermediate_size, "seed": teacher.seed}
+        fp |= {
+            "shape": asdict(teacher.shape),
+            "vocab_size": teacher.vocab_size,
+            "intermediate_size": teacher.intermediate_size,
+            "seed": teacher.seed,
+        }
     return fp
 
 
@@ -120,8 +126,10 @@ def first_token_ids(gen: GenerationConfig, tokenizer, n: int, generator: torch.G
     """`n` first tokens: uniform over the vocabulary without special tokens, or the first token of a
     uniformly drawn word of `first_words` (each word tokenized with a leading space where it has none)."""
     if gen.first_token == "list":
-        starts = [tokenizer(w if w.startswith(" ") else " " + w, add_special_tokens=False)["input_ids"][:1]
-                  for w in gen.first_words]
+        starts = [
+            tokenizer(w if w.startswith(" ") else " " + w, add_special_tokens=False)["input_ids"][:1]
+            for w in gen.first_words
+        ]
         if any(not s for s in starts):
             raise ValueError("data.generation.first_words: a word tokenizes to nothing")
         choices = torch.tensor([s[0] for s in starts])
@@ -140,8 +148,9 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def generate_batch(model, first: torch.Tensor, gen: GenerationConfig, generator: torch.Generator,
-                   eos: list[int]) -> torch.Tensor:
+def generate_batch(
+    model, first: torch.Tensor, gen: GenerationConfig, generator: torch.Generator, eos: list[int]
+) -> torch.Tensor:
     """[B, length] token ids from first tokens `first` [B]: greedy for `greedy_tokens`, then sampled at
     `temperature` (top-k when set); positions after a sample's EOS hold -1. One prefill token, then one
     cached forward per position (transformers' DynamicCache)."""
@@ -205,10 +214,17 @@ def generate_shards(data: DataConfig, tokenizer, *, model=None, progress: bool =
         model.eval()
         device = next(model.parameters()).device
         eos = eos_ids(model, tokenizer)
-        manifest = _read_manifest(folder) or {"format": FORMAT, "teacher": teacher_fingerprint(teacher_model(data)),
-                                              "generation": key_material(gen), "shards": {}}
-        bar = _progress(len(missing) * gen.batch_size * gen.length, progress,
-                        f"teacher samples ({len(missing)} of {shard_count(gen)} batches to write)")
+        manifest = _read_manifest(folder) or {
+            "format": FORMAT,
+            "teacher": teacher_fingerprint(teacher_model(data)),
+            "generation": key_material(gen),
+            "shards": {},
+        }
+        bar = _progress(
+            len(missing) * gen.batch_size * gen.length,
+            progress,
+            f"teacher samples ({len(missing)} of {shard_count(gen)} batches to write)",
+        )
         for shard in missing:
             cpu, wall = time.process_time(), time.perf_counter()
             generator = torch.Generator().manual_seed(shard_seed(gen, shard))
@@ -219,9 +235,12 @@ def generate_shards(data: DataConfig, tokenizer, *, model=None, progress: bool =
             os.replace(tmp, folder / _shard_name(shard))
             tokens = int((ids != _PAD).sum())
             manifest["shards"][str(shard)] = {
-                "tokens": tokens, "cpu_s": round(time.process_time() - cpu, 2),
-                "wall_s": round(time.perf_counter() - wall, 2), "machine": _machine(device),
-                "torch_threads": torch.get_num_threads()}
+                "tokens": tokens,
+                "cpu_s": round(time.process_time() - cpu, 2),
+                "wall_s": round(time.perf_counter() - wall, 2),
+                "machine": _machine(device),
+                "torch_threads": torch.get_num_threads(),
+            }
             _write_manifest(folder, manifest)
             bar.update(gen.batch_size * gen.length)
         bar.close()
@@ -283,16 +302,23 @@ def generation_cost(data: DataConfig) -> dict:
     shards = (_read_manifest(shard_dir(data)) or {}).get("shards", {})
     used = [shards.get(str(s)) for s in range(shard_count(gen))]
     known = [s for s in used if s]
-    return {"shards": shard_count(gen), "shards_with_cost": len(known), "tokens": sum(s["tokens"] for s in known),
-            "cpu_s": round(sum(s["cpu_s"] for s in known), 1), "wall_s": round(sum(s["wall_s"] for s in known), 1),
-            "machines": sorted({s["machine"] for s in known})}
+    return {
+        "shards": shard_count(gen),
+        "shards_with_cost": len(known),
+        "tokens": sum(s["tokens"] for s in known),
+        "cpu_s": round(sum(s["cpu_s"] for s in known), 1),
+        "wall_s": round(sum(s["wall_s"] for s in known), 1),
+        "machines": sorted({s["machine"] for s in known}),
+    }
 
 
 def _check_same_tokenizer(model, tokenizer) -> None:
     vocab = model.config.vocab_size
     if len(tokenizer) > vocab:
-        raise ValueError(f"data.teacher: the teacher's vocabulary ({vocab}) is smaller than the run's tokenizer "
-                         f"({len(tokenizer)}); a teacher must share the student's tokenizer")
+        raise ValueError(
+            f"data.teacher: the teacher's vocabulary ({vocab}) is smaller than the run's tokenizer "
+            f"({len(tokenizer)}); a teacher must share the student's tokenizer"
+        )
 
 
 def _shard_name(shard: int) -> str:

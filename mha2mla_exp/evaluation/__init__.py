@@ -8,10 +8,16 @@ Heavy modules (lm-eval) are imported on first use, so `perplexity` stays cheap t
 from .perplexity import perplexity
 
 _LAZY = {
-    "run_evaluation": "run", "check_eval_config": "run",
-    "EvalLM": "lm", "middle_truncate": "lm",
-    "KVQuant": "kv", "CacheMeter": "kv", "kv_record": "kv", "new_cache": "kv",
-    "evaluate_commonsense": "commonsense", "evaluate_long_context": "long_context",
+    "run_evaluation": "run",
+    "check_eval_config": "run",
+    "EvalLM": "lm",
+    "middle_truncate": "lm",
+    "KVQuant": "kv",
+    "CacheMeter": "kv",
+    "kv_record": "kv",
+    "new_cache": "kv",
+    "evaluate_commonsense": "commonsense",
+    "evaluate_long_context": "long_context",
     "evaluate_longbench": "longbench",
 }
 __all__ = ["perplexity", *_LAZY]

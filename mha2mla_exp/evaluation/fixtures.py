@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-_WORDS = ("river stone light paper garden window music winter market bridge forest candle letter harbor "
-          "engine silver orchard lantern meadow compass").split()
+_WORDS = (
+    "river stone light paper garden window music winter market bridge forest candle letter harbor "
+    "engine silver orchard lantern meadow compass"
+).split()
 
 
 def _pick(i: int, k: int) -> str:
@@ -31,27 +33,81 @@ def commonsense_tree(root: Path, n: int = 6, subjects=("anatomy", "astronomy")) 
     root = Path(root)
     labels = ["A", "B", "C", "D"]
     for cfg in ("ARC-Easy", "ARC-Challenge"):
-        _save([{"id": f"{cfg}-{i}", "question": f"Which {_pick(i, 2)} is near the {_pick(i + 1, 1)}?",
-                "choices": {"text": [_pick(i + j, 2) for j in range(4)], "label": labels},
-                "answerKey": labels[i % 4]} for i in range(n)], root / "ai2_arc" / cfg / "validation")
-    _save([{"goal": f"How to {_pick(i, 3)}?", "sol1": _pick(i + 2, 4), "sol2": _pick(i + 5, 3), "label": i % 2}
-           for i in range(n)], root / "piqa" / "plain_text" / "validation")
-    _save([{"ind": i, "activity_label": _pick(i, 1).title(), "ctx_a": f"A {_pick(i, 3)}.",
-            "ctx_b": _pick(i + 1, 2), "ctx": f"A {_pick(i, 3)}. {_pick(i + 1, 2)}",
-            "endings": [_pick(i + j, 3) + "." for j in range(4)], "source_id": f"s{i}", "split": "val",
-            "split_type": "indomain", "label": str(i % 4)} for i in range(n)],
-          root / "hellaswag" / "none" / "validation")
-    _save([{"id": f"ob-{i}", "question_stem": f"The {_pick(i, 2)} is",
-            "choices": {"text": [_pick(i + j, 1) for j in range(4)], "label": labels},
-            "answerKey": labels[(i + 1) % 4]} for i in range(n)], root / "openbookqa" / "main" / "validation")
-    _save([{"sentence": f"The {_pick(i, 1)} beat the {_pick(i + 3, 1)} because _ was {_pick(i + 5, 1)}.",
-            "option1": _pick(i, 1), "option2": _pick(i + 3, 1), "answer": str(1 + i % 2)} for i in range(n)],
-          root / "winogrande" / "winogrande_xl" / "validation")
+        _save(
+            [
+                {
+                    "id": f"{cfg}-{i}",
+                    "question": f"Which {_pick(i, 2)} is near the {_pick(i + 1, 1)}?",
+                    "choices": {"text": [_pick(i + j, 2) for j in range(4)], "label": labels},
+                    "answerKey": labels[i % 4],
+                }
+                for i in range(n)
+            ],
+            root / "ai2_arc" / cfg / "validation",
+        )
+    _save(
+        [
+            {"goal": f"How to {_pick(i, 3)}?", "sol1": _pick(i + 2, 4), "sol2": _pick(i + 5, 3), "label": i % 2}
+            for i in range(n)
+        ],
+        root / "piqa" / "plain_text" / "validation",
+    )
+    _save(
+        [
+            {
+                "ind": i,
+                "activity_label": _pick(i, 1).title(),
+                "ctx_a": f"A {_pick(i, 3)}.",
+                "ctx_b": _pick(i + 1, 2),
+                "ctx": f"A {_pick(i, 3)}. {_pick(i + 1, 2)}",
+                "endings": [_pick(i + j, 3) + "." for j in range(4)],
+                "source_id": f"s{i}",
+                "split": "val",
+                "split_type": "indomain",
+                "label": str(i % 4),
+            }
+            for i in range(n)
+        ],
+        root / "hellaswag" / "none" / "validation",
+    )
+    _save(
+        [
+            {
+                "id": f"ob-{i}",
+                "question_stem": f"The {_pick(i, 2)} is",
+                "choices": {"text": [_pick(i + j, 1) for j in range(4)], "label": labels},
+                "answerKey": labels[(i + 1) % 4],
+            }
+            for i in range(n)
+        ],
+        root / "openbookqa" / "main" / "validation",
+    )
+    _save(
+        [
+            {
+                "sentence": f"The {_pick(i, 1)} beat the {_pick(i + 3, 1)} because _ was {_pick(i + 5, 1)}.",
+                "option1": _pick(i, 1),
+                "option2": _pick(i + 3, 1),
+                "answer": str(1 + i % 2),
+            }
+            for i in range(n)
+        ],
+        root / "winogrande" / "winogrande_xl" / "validation",
+    )
     for s, subject in enumerate(subjects):
         for split, size in (("dev", 2), ("test", n)):
-            _save([{"question": f"What {_pick(i + s, 2)} follows {_pick(i, 1)}?", "subject": subject,
-                    "choices": [_pick(i + j + s, 2) for j in range(4)], "answer": (i + s) % 4}
-                   for i in range(size)], root / "hails" / "mmlu_no_train" / subject / split)
+            _save(
+                [
+                    {
+                        "question": f"What {_pick(i + s, 2)} follows {_pick(i, 1)}?",
+                        "subject": subject,
+                        "choices": [_pick(i + j + s, 2) for j in range(4)],
+                        "answer": (i + s) % 4,
+                    }
+                    for i in range(size)
+                ],
+                root / "hails" / "mmlu_no_train" / subject / split,
+            )
     return root
 
 
@@ -62,8 +118,16 @@ def longbench_dir(root: Path, records: dict[str, list[dict]]) -> Path:
     for subset, rows in records.items():
         with open(root / f"{subset}.jsonl", "w") as f:
             for i, row in enumerate(rows):
-                full = {"input": "", "context": "", "answers": [], "length": 0, "dataset": subset,
-                        "language": "en", "all_classes": None, "_id": f"{subset}-{i}"} | row
+                full = {
+                    "input": "",
+                    "context": "",
+                    "answers": [],
+                    "length": 0,
+                    "dataset": subset,
+                    "language": "en",
+                    "all_classes": None,
+                    "_id": f"{subset}-{i}",
+                } | row
                 f.write(json.dumps(full) + "\n")
     return root
 
@@ -74,8 +138,9 @@ def text_files(root: Path, n_docs: int = 3, sentences: int = 300) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
     paths = []
     for d in range(n_docs):
-        body = " ".join(f"The {_pick(d + i, 1)} by the {_pick(d * 5 + i, 1)} was {_pick(i + 2 * d, 2)}."
-                        for i in range(sentences))
+        body = " ".join(
+            f"The {_pick(d + i, 1)} by the {_pick(d * 5 + i, 1)} was {_pick(i + 2 * d, 2)}." for i in range(sentences)
+        )
         path = root / f"{2000 + d}-doc.txt"
         path.write_text(body + "\n")
         paths.append(path)

@@ -39,16 +39,23 @@ class KVQuant:
     def check_model(self, converted: bool) -> None:
         """transformers' QuantizedCache holds plain keys and values: the MLA latent has no such variant."""
         if converted and self.grouping == "transformers":
-            raise ValueError("kv_quant.grouping: 'transformers' applies to the original model's K/V cache only; "
-                             "the MLA latent is quantized with grouping 'tokens'")
+            raise ValueError(
+                "kv_quant.grouping: 'transformers' applies to the original model's K/V cache only; "
+                "the MLA latent is quantized with grouping 'tokens'"
+            )
 
     @classmethod
     def from_config(cls, kv_quant: KVQuantConfig) -> "KVQuant | None":
         """The `kv_quant` section's quantization; None where it sets no backend (conf/kv_quant/none.yaml)."""
         if kv_quant.backend is None:
             return None
-        return cls(backend=kv_quant.backend, nbits=kv_quant.nbits, residual_length=kv_quant.residual_length,
-                   q_group_size=kv_quant.q_group_size, grouping=kv_quant.grouping)
+        return cls(
+            backend=kv_quant.backend,
+            nbits=kv_quant.nbits,
+            residual_length=kv_quant.residual_length,
+            q_group_size=kv_quant.q_group_size,
+            grouping=kv_quant.grouping,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,8 +71,13 @@ def new_cache(model, kv_quant: KVQuant | None):
     if kv_quant is not None:
         kv_quant.check_model(is_mla(model))
     if kv_quant is not None and kv_quant.grouping == "tokens":  # the one quantizer, for latent and K/V alike
-        return QuantizedLatentCache(config.num_hidden_layers, backend=kv_quant.backend, nbits=kv_quant.nbits,
-                                    q_group_size=kv_quant.q_group_size, residual_length=kv_quant.residual_length)
+        return QuantizedLatentCache(
+            config.num_hidden_layers,
+            backend=kv_quant.backend,
+            nbits=kv_quant.nbits,
+            q_group_size=kv_quant.q_group_size,
+            residual_length=kv_quant.residual_length,
+        )
     if is_mla(model):
         return LatentCache()
     from transformers import DynamicCache, QuantizedCache
@@ -73,8 +85,13 @@ def new_cache(model, kv_quant: KVQuant | None):
     text_config = config.get_text_config(decoder=True)
     if kv_quant is None:
         return DynamicCache(config=text_config)
-    return QuantizedCache(backend=kv_quant.backend, config=text_config, nbits=kv_quant.nbits,
-                          q_group_size=kv_quant.q_group_size, residual_length=kv_quant.residual_length)
+    return QuantizedCache(
+        backend=kv_quant.backend,
+        config=text_config,
+        nbits=kv_quant.nbits,
+        q_group_size=kv_quant.q_group_size,
+        residual_length=kv_quant.residual_length,
+    )
 
 
 class CacheMeter:
@@ -151,6 +168,6 @@ def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
         "kv_quant": kv_quant.to_dict() if kv_quant else None,
         "generate_calls": meter.calls,
         "note": "measured with cache_nbytes() at the end of each generate call of the generation tasks "
-                "(residual full-precision tokens, quantization scales and group padding included); "
-                "loglikelihood tasks (commonsense, perplexity) run full forward passes and use no cache",
+        "(residual full-precision tokens, quantization scales and group padding included); "
+        "loglikelihood tasks (commonsense, perplexity) run full forward passes and use no cache",
     }

@@ -32,8 +32,8 @@ def middle_truncate(ids, max_len: int):
     tail = max_len // 2
     head = max_len - tail
     if isinstance(ids, torch.Tensor):
-        return torch.cat([ids[:head], ids[len(ids) - tail:]])
-    return list(ids[:head]) + list(ids[len(ids) - tail:])
+        return torch.cat([ids[:head], ids[len(ids) - tail :]])
+    return list(ids[:head]) + list(ids[len(ids) - tail :])
 
 
 def process_rank_and_count() -> tuple[int, int]:
@@ -51,18 +51,34 @@ class EvalLM(HFLM):
     `data_parallel`: under several processes, this one evaluates its share (False: all of it, alone);
     `process_group`: the group of the evaluation's collectives (None: the default one)."""
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 1, window: int | None = None,
-                 kv_quant: KVQuant | None = None, middle_truncation: bool = True, placement=None,
-                 data_parallel: bool = True, process_group=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        batch_size: int = 1,
+        window: int | None = None,
+        kv_quant: KVQuant | None = None,
+        middle_truncation: bool = True,
+        placement=None,
+        data_parallel: bool = True,
+        process_group=None,
+    ):
         if tokenizer.pad_token_id is None:  # batched generation pads on the left
             tokenizer.pad_token = tokenizer.eos_token
         if placement is not None:
             placement.place(model, "suites")
         # backend given: lm-eval's auto-detection does not know the registered `mha2mla` model type
         # log-softmax in fp32: a bf16 model's log-likelihoods would otherwise be rounded to bf16 as well
-        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=window,
-                         device=str(placement.device if placement is not None else model.device), backend="causal",
-                         softmax_dtype=torch.float32)
+        super().__init__(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=window,
+            device=str(placement.device if placement is not None else model.device),
+            backend="causal",
+            softmax_dtype=torch.float32,
+        )
         self._rank, self._world_size = process_rank_and_count() if data_parallel else (0, 1)
         self.process_group = process_group
         self.kv_quant = kv_quant
@@ -138,9 +154,9 @@ class EvalLM(HFLM):
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             if padding_side == "left":
-                input_ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+                input_ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
             else:
-                input_ids[i, :len(r)], mask[i, :len(r)] = r, 1
+                input_ids[i, : len(r)], mask[i, : len(r)] = r, 1
         return input_ids, mask
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):

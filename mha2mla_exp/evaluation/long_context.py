@@ -22,8 +22,10 @@ from pathlib import Path
 from ..schema.sections import LongContextConfig
 from .tasks import Function, run_tasks, write_task_folder
 
-PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-          "I will quiz you about the important information there.\n\n")
+PREFIX = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 NEEDLE = "The pass key is {key}. Remember it. The pass key is {key}."
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -79,7 +81,7 @@ class _Haystack:
         cut = max(text.rfind(". "), text.rfind(".\n"))  # end on a sentence if one ends near the end,
         if cut < 0.9 * len(text):  # else on a word
             cut = text.rfind(" ") - 1
-        return text[:cut + 1]
+        return text[: cut + 1]
 
 
 def _insert(filler: str, needle: str, depth: float) -> str:
@@ -115,8 +117,16 @@ def passkey_docs(tokenizer, texts, length: int, cfg: LongContextConfig) -> list[
                 budget -= n - limit + 2
             else:
                 raise RuntimeError(f"could not fit a passkey prompt into {limit} tokens")
-            docs.append({"input": prompt, "answer": key, "length": length, "depth": depth,
-                         "n_tokens": n, "source": texts[start][0]})
+            docs.append(
+                {
+                    "input": prompt,
+                    "answer": key,
+                    "length": length,
+                    "depth": depth,
+                    "n_tokens": n,
+                    "source": texts[start][0],
+                }
+            )
     return docs
 
 
@@ -128,7 +138,7 @@ def ppl_docs(tokenizer, texts, length: int, n_docs: int) -> list[dict]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) < length:
             continue
-        chunk = tokenizer.decode(ids[:length - 1 - 4], skip_special_tokens=True)  # slack for re-encoding
+        chunk = tokenizer.decode(ids[: length - 1 - 4], skip_special_tokens=True)  # slack for re-encoding
         n = len(tokenizer.encode(chunk))  # exactly the tokens HFLM's rolling loglikelihood scores
         if n > length - 1:
             continue
@@ -172,10 +182,13 @@ def task_folder(tokenizer, cfg: LongContextConfig, texts=None) -> tuple[Path, di
         extra[f"{name}.jsonl"] = _jsonl(passkey_docs(tokenizer, texts, length, cfg))
         passkey[length] = name
         files[f"{name}.yaml"] = {
-            "task": name, "dataset_path": "json",
+            "task": name,
+            "dataset_path": "json",
             "dataset_kwargs": {"data_files": {"test": f"__DIR__/{name}.jsonl"}},
-            "test_split": "test", "output_type": "generate_until",
-            "doc_to_text": "{{input}}", "doc_to_target": "{{answer}}",
+            "test_split": "test",
+            "output_type": "generate_until",
+            "doc_to_text": "{{input}}",
+            "doc_to_target": "{{answer}}",
             "generation_kwargs": {"until": ["\n"], "max_gen_toks": cfg.max_gen_toks, "do_sample": False},
             "process_results": Function(f"{__name__}.passkey_process_results"),
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
@@ -186,20 +199,29 @@ def task_folder(tokenizer, cfg: LongContextConfig, texts=None) -> tuple[Path, di
         extra[f"{name}.jsonl"] = _jsonl(ppl_docs(tokenizer, texts, length, cfg.ppl_docs))
         ppl[length] = name
         files[f"{name}.yaml"] = {
-            "task": name, "dataset_path": "json",
+            "task": name,
+            "dataset_path": "json",
             "dataset_kwargs": {"data_files": {"test": f"__DIR__/{name}.jsonl"}},
-            "test_split": "test", "output_type": "loglikelihood_rolling",
-            "doc_to_text": "", "doc_to_target": "{{text}}",
+            "test_split": "test",
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
             "process_results": Function(f"{__name__}.ppl_process_results"),
-            "metric_list": [{"metric": "token_perplexity", "higher_is_better": False,
-                             "aggregation": Function(f"{__name__}.token_perplexity")}],
+            "metric_list": [
+                {
+                    "metric": "token_perplexity",
+                    "higher_is_better": False,
+                    "aggregation": Function(f"{__name__}.token_perplexity"),
+                }
+            ],
             "metadata": {"version": 1, "tokenizer": fp},
         }
     return write_task_folder("long_context", files, extra), passkey, ppl
 
 
-def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int | None = None,
-                          texts=None) -> tuple[dict, dict, dict, list[dict]] | None:
+def evaluate_long_context(
+    lm, tokenizer, cfg: LongContextConfig, *, window: int | None = None, texts=None
+) -> tuple[dict, dict, dict, list[dict]] | None:
     """Returns (long_context scores: passkey@L and avg, perplexities: longdoc@L, metadata, per-document rows);
     None on a rank other than 0 of a multi-process evaluation."""
     window = window or lm.max_length
@@ -220,10 +242,18 @@ def evaluate_long_context(lm, tokenizer, cfg: LongContextConfig, *, window: int 
         for s in run.samples.get(t, []):
             cells.setdefault(s["doc"]["depth"], []).append(s["acc"])
         by_depth[f"passkey@{L}"] = {str(d): sum(v) / len(v) for d, v in sorted(cells.items())}
-    meta = {"lengths": list(cfg.lengths), "depths": list(cfg.depths), "samples_per_depth": cfg.samples_per_depth,
-            "seed": cfg.seed, "by_depth": by_depth, "ppl_lengths": list(cfg.ppl_lengths), "ppl_docs": cfg.ppl_docs,
-            "texts": "sotu asset" if cfg.texts is None else list(cfg.texts), "task_dir": str(folder),
-            "ppl_sources": sorted({s["doc"]["source"] for t in ppl.values() for s in run.samples.get(t, [])})}
+    meta = {
+        "lengths": list(cfg.lengths),
+        "depths": list(cfg.depths),
+        "samples_per_depth": cfg.samples_per_depth,
+        "seed": cfg.seed,
+        "by_depth": by_depth,
+        "ppl_lengths": list(cfg.ppl_lengths),
+        "ppl_docs": cfg.ppl_docs,
+        "texts": "sotu asset" if cfg.texts is None else list(cfg.texts),
+        "task_dir": str(folder),
+        "ppl_sources": sorted({s["doc"]["source"] for t in ppl.values() for s in run.samples.get(t, [])}),
+    }
     column_of = {t: f"passkey@{L}" for L, t in passkey.items()} | {t: f"longdoc@{L}" for L, t in ppl.items()}
     rows = [{"suite": "long_context", "column": column_of[row["task"]], **row} for row in run.rows]
     return scores, perplexities, meta, rows

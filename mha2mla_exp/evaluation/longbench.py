@@ -23,8 +23,24 @@ from pathlib import Path
 from ..schema.sections import LongBenchConfig
 from .tasks import Function, lm_eval_tasks_dir, run_tasks, write_task_folder
 
-SUBSETS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-           "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
+SUBSETS = (
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 FIRST_LINE = ("trec", "triviaqa", "samsum")  # LongBench's pred.lstrip('\n').split('\n')[0] (lsht is Chinese)
 PREFIX = "mla_longbench_"
 
@@ -49,8 +65,10 @@ def _lm_eval_metrics():
     try:
         return _load_module_with_cache(lm_eval_tasks_dir() / "longbench" / "metrics.py")
     except ImportError as e:
-        raise ImportError("LongBench scoring needs lm-eval's longbench extra: pip install 'lm-eval[longbench]' "
-                          "(jieba, fuzzywuzzy, rouge)") from e
+        raise ImportError(
+            "LongBench scoring needs lm-eval's longbench extra: pip install 'lm-eval[longbench]' "
+            "(jieba, fuzzywuzzy, rouge)"
+        ) from e
 
 
 def postprocess(subset: str, prediction: str) -> str:
@@ -78,11 +96,21 @@ def task_folder(cfg: LongBenchConfig) -> Path:
     lm_tasks = lm_eval_tasks_dir() / "longbench"
     files = {}
     for subset in cfg.subsets:
-        task = {"include": str(lm_tasks / f"{subset}.yaml"), "task": PREFIX + _safe(subset), "tag": [],
-                "process_docs": Function(f"{__name__}.process_docs")}
+        task = {
+            "include": str(lm_tasks / f"{subset}.yaml"),
+            "task": PREFIX + _safe(subset),
+            "tag": [],
+            "process_docs": Function(f"{__name__}.process_docs"),
+        }
         if cfg.data_dir is not None:
-            task.update({"dataset_path": "json", "dataset_name": None, "test_split": "test",
-                         "dataset_kwargs": {"data_files": {"test": str(Path(cfg.data_dir) / f"{subset}.jsonl")}}})
+            task.update(
+                {
+                    "dataset_path": "json",
+                    "dataset_name": None,
+                    "test_split": "test",
+                    "dataset_kwargs": {"data_files": {"test": str(Path(cfg.data_dir) / f"{subset}.jsonl")}},
+                }
+            )
         if cfg.official_postprocess:
             task["process_results"] = Function(f"{__name__}.process_results_{_safe(subset)}")
             if subset in FIRST_LINE:
@@ -104,8 +132,10 @@ def check(cfg: LongBenchConfig) -> None:
         if missing:
             raise FileNotFoundError(f"LongBench data_dir {cfg.data_dir} lacks {[m + '.jsonl' for m in missing]}")
     elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise RuntimeError("LongBench needs its data: the hub is off (HF_HUB_OFFLINE) and no longbench.data_dir "
-                           "(one <subset>.jsonl per subset, LongBench format) was given")
+        raise RuntimeError(
+            "LongBench needs its data: the hub is off (HF_HUB_OFFLINE) and no longbench.data_dir "
+            "(one <subset>.jsonl per subset, LongBench format) was given"
+        )
     _lm_eval_metrics()
 
 
@@ -115,8 +145,15 @@ def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]
     check(cfg)
     folder = task_folder(cfg)
     names = {s: PREFIX + _safe(s) for s in cfg.subsets}
-    run = run_tasks(lm, list(names.values()), include_path=folder, include_defaults=False,
-                    limits={n: cfg.limit for n in names.values()}, sample=cfg.sample, seed=cfg.seed)
+    run = run_tasks(
+        lm,
+        list(names.values()),
+        include_path=folder,
+        include_defaults=False,
+        limits={n: cfg.limit for n in names.values()},
+        sample=cfg.sample,
+        seed=cfg.seed,
+    )
     truncated = getattr(lm, "truncated_prompts", None)
     if truncated is not None and hasattr(lm, "sum_over_ranks"):  # every rank cut its own prompts
         (truncated,) = lm.sum_over_ranks(truncated)
@@ -125,12 +162,17 @@ def evaluate_longbench(lm, cfg: LongBenchConfig) -> tuple[dict, dict, list[dict]
     scores = {s: run.metrics[n]["score"] for s, n in names.items()}
     scores["avg"] = sum(scores[s] for s in cfg.subsets) / len(cfg.subsets)
     scores["limit"] = cfg.limit  # as in the commonsense block: the record states what ran
-    meta = {"limit": cfg.limit, "sample": cfg.sample, "seed": cfg.seed,
-            "n_docs": {s: run.n_docs[n] for s, n in names.items()},
-            "data": cfg.data_dir or "hub (lm-eval's Xnhyacinth/LongBench)",
-            "window": getattr(lm, "max_length", None),
-            "truncated_prompts": truncated,
-            "official_postprocess": cfg.official_postprocess, "task_dir": str(folder)}
+    meta = {
+        "limit": cfg.limit,
+        "sample": cfg.sample,
+        "seed": cfg.seed,
+        "n_docs": {s: run.n_docs[n] for s, n in names.items()},
+        "data": cfg.data_dir or "hub (lm-eval's Xnhyacinth/LongBench)",
+        "window": getattr(lm, "max_length", None),
+        "truncated_prompts": truncated,
+        "official_postprocess": cfg.official_postprocess,
+        "task_dir": str(folder),
+    }
     subset_of = {n: s for s, n in names.items()}
     rows = [{"suite": "longbench", "column": subset_of[row["task"]], **row} for row in run.rows]
     return scores, meta, rows

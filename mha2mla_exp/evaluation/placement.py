@@ -57,8 +57,9 @@ class EvalPlacement:
         device = torch.device(device)
         on_cuda = device.type == "cuda"
         weights = torch.float32 if model_dtype in (None, "auto") else _dtype(model_dtype)
-        return cls(device=device, weights_dtype=weights, suites_dtype=_dtype(suites_dtype), tf32=on_cuda,
-                   rotary_fp32=on_cuda)
+        return cls(
+            device=device, weights_dtype=weights, suites_dtype=_dtype(suites_dtype), tf32=on_cuda, rotary_fp32=on_cuda
+        )
 
     def dtype_for(self, stage: str) -> torch.dtype:
         if stage not in STAGES:
@@ -79,12 +80,17 @@ class EvalPlacement:
         torch.backends.cudnn.allow_tf32 = True
 
     def to_record(self) -> dict:
-        return {"device": str(self.device), "dtype": {"weights": _name(self.weights_dtype),
-                                                      "perplexity": _name(self.weights_dtype),
-                                                      "kv_measure": _name(self.weights_dtype),
-                                                      "suites": _name(self.dtype_for("suites"))},
-                "rotary_inv_freq": "float32" if self.rotary_fp32 else "cast with the weights",
-                "tf32": self.tf32}
+        return {
+            "device": str(self.device),
+            "dtype": {
+                "weights": _name(self.weights_dtype),
+                "perplexity": _name(self.weights_dtype),
+                "kv_measure": _name(self.weights_dtype),
+                "suites": _name(self.dtype_for("suites")),
+            },
+            "rotary_inv_freq": "float32" if self.rotary_fp32 else "cast with the weights",
+            "tf32": self.tf32,
+        }
 
 
 def cast_keeping_rotary(model, dtype: torch.dtype, *, keep_rotary_fp32: bool):

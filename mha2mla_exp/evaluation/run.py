@@ -37,11 +37,13 @@ from .samples import summary, write_samples
 
 log = logging.getLogger(__name__)
 
+
 def check_eval_config(evaluation: EvalConfig) -> None:
     """The suites' own checks, before any model work (the schema has checked each field's type and range): every
     suite's settings that go together, enabled or not, as ValueError naming `eval.<suite>`; then what an enabled
     suite needs (MMLU subjects, LongBench's subsets and data)."""
-    from .commonsense import check as check_commonsense, selected_subjects
+    from .commonsense import check as check_commonsense
+    from .commonsense import selected_subjects
     from .long_context import check as check_long_context
     from .longbench import check as check_longbench
 
@@ -66,7 +68,7 @@ def held_out_batches(held_out, batch_size: int):
     """Token rows `[N, T]` (or `[T]`) as batches of `batch_size` rows; an iterable of batches passes through."""
     if isinstance(held_out, torch.Tensor):
         rows = held_out if held_out.dim() == 2 else held_out.unsqueeze(0)
-        return [rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size)]
+        return [rows[i : i + batch_size] for i in range(0, rows.shape[0], batch_size)]
     return held_out
 
 
@@ -80,15 +82,29 @@ def held_out_sample(rows, documents, p: PerplexityConfig) -> tuple[object, dict]
         return itertools.islice(held_out_batches(rows, p.batch_size), p.max_batches), {}
     cap = None if p.max_batches is None else p.max_batches * p.batch_size
     index = select_rows(documents, cap, p.rows, p.row_seed)
-    info = {"row_selection": p.rows if cap is not None and cap < len(documents) else "all",
-            "row_index": index.tolist(), "row_document": documents[index].tolist(),
-            "documents": int(documents.unique().numel())}
+    info = {
+        "row_selection": p.rows if cap is not None and cap < len(documents) else "all",
+        "row_index": index.tolist(),
+        "row_document": documents[index].tolist(),
+        "documents": int(documents.unique().numel()),
+    }
     return held_out_batches(rows[index], p.batch_size), info
 
 
-def run_evaluation(model, tokenizer, evaluation: EvalConfig, *, held_out=None, kv_quant: KVQuant | None = None,
-                   window: int | None = None, samples_path=None, extra_held_out: Mapping | None = None,
-                   held_out_documents: torch.Tensor | None = None, placement=None, process_group=None) -> dict:
+def run_evaluation(
+    model,
+    tokenizer,
+    evaluation: EvalConfig,
+    *,
+    held_out=None,
+    kv_quant: KVQuant | None = None,
+    window: int | None = None,
+    samples_path=None,
+    extra_held_out: Mapping | None = None,
+    held_out_documents: torch.Tensor | None = None,
+    placement=None,
+    process_group=None,
+) -> dict:
     """Evaluate an in-memory causal LM (original or MLA) under the `eval` section; returns the run record's `eval`
     block.
 
@@ -112,14 +128,27 @@ def run_evaluation(model, tokenizer, evaluation: EvalConfig, *, held_out=None, k
     placement.place(model, "weights")
     model.eval()
     lms = []  # one EvalLM per suite; the last does the closing collectives
-    out: dict = {"perplexity": {}, "meta": {"kv_quant": kv_quant.to_dict() if kv_quant else None, "window": window,
-                                            "dtype": _dtype_name(model.dtype)}}
+    out: dict = {
+        "perplexity": {},
+        "meta": {
+            "kv_quant": kv_quant.to_dict() if kv_quant else None,
+            "window": window,
+            "dtype": _dtype_name(model.dtype),
+        },
+    }
     timings = out["meta"]["seconds"] = {}
     rows: list[dict] = []
 
     def lm_for(batch_size: int):
-        lm = EvalLM(model, tokenizer, batch_size=batch_size, window=window, kv_quant=kv_quant, placement=placement,
-                    process_group=process_group)
+        lm = EvalLM(
+            model,
+            tokenizer,
+            batch_size=batch_size,
+            window=window,
+            kv_quant=kv_quant,
+            placement=placement,
+            process_group=process_group,
+        )
         out["meta"]["dtype"] = _dtype_name(model.dtype)
         lm.kv_meter = meter  # one meter across suites
         lms.append(lm)
@@ -135,7 +164,8 @@ def run_evaluation(model, tokenizer, evaluation: EvalConfig, *, held_out=None, k
             out["meta"]["perplexity_dtype"] = _dtype_name(model.dtype)
             sets = {"": (held_out, held_out_documents)} | {
                 f":{name}": extra if isinstance(extra, tuple) else (extra, None)
-                for name, extra in (extra_held_out or {}).items()}
+                for name, extra in (extra_held_out or {}).items()
+            }
             for suffix, (token_rows, documents) in sets.items():
                 rows_nll = []
                 batches, picked = held_out_sample(token_rows, documents, p)
@@ -177,14 +207,18 @@ def run_evaluation(model, tokenizer, evaluation: EvalConfig, *, held_out=None, k
         timings["longbench"] = round(time.perf_counter() - t, 2)
     shared = lms[-1] if lms and lms[-1].world_size > 1 else None
     if shared is not None:  # every rank measured the caches of its own generate calls
-        meter.calls, meter.bytes, meter.token_slots = shared.sum_over_ranks(meter.calls, meter.bytes,
-                                                                            meter.token_slots)
-        out["meta"]["ranks"] = {"processes": shared.world_size,
-                                "requests": shared.per_rank(sum(lm.requests_served for lm in lms))}
+        meter.calls, meter.bytes, meter.token_slots = shared.sum_over_ranks(meter.calls, meter.bytes, meter.token_slots)
+        out["meta"]["ranks"] = {
+            "processes": shared.world_size,
+            "requests": shared.per_rank(sum(lm.requests_served for lm in lms)),
+        }
         if shared.rank != 0:
             return out  # this rank's share is in rank 0's block; it writes nothing
-    out["kv_cache"] = kv_record(model, kv_quant, meter) if meter.calls else {
-        "note": "no generation task ran: loglikelihood tasks (commonsense, perplexity) use no KV cache"}
+    out["kv_cache"] = (
+        kv_record(model, kv_quant, meter)
+        if meter.calls
+        else {"note": "no generation task ran: loglikelihood tasks (commonsense, perplexity) use no KV cache"}
+    )
     if samples_path is not None and rows:
         write_samples(rows, samples_path)
         out["meta"]["samples"] = summary(rows)

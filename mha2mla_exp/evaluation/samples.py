@@ -53,16 +53,25 @@ def rows_from_lm_eval(task_name: str, task, logged: Iterable[dict]) -> list[dict
     output_type = getattr(task, "OUTPUT_TYPE", None)
     rows = []
     for sample in logged:
-        row = {"task": task_name, "doc_id": int(sample["doc_id"]), "doc_hash": sample.get("doc_hash"),
-               "target": _plain(sample.get("target"))}
+        row = {
+            "task": task_name,
+            "doc_id": int(sample["doc_id"]),
+            "doc_hash": sample.get("doc_hash"),
+            "target": _plain(sample.get("target")),
+        }
         for metric in sample.get("metrics", []):
             row[metric] = _plain(sample.get(metric))
         resps = sample.get("filtered_resps", [])
         if output_type == "multiple_choice":
             lls = [float(r[0]) for r in resps]
             choices = task.doc_to_choice(sample["doc"])
-            row.update(gold=_gold_index(task, sample["doc"], choices), ll=lls, is_greedy=[bool(r[1]) for r in resps],
-                       pred=_argmax(lls), pred_norm=_argmax([ll / len(c) for ll, c in zip(lls, choices)]))
+            row.update(
+                gold=_gold_index(task, sample["doc"], choices),
+                ll=lls,
+                is_greedy=[bool(r[1]) for r in resps],
+                pred=_argmax(lls),
+                pred_norm=_argmax([ll / len(c) for ll, c in zip(lls, choices)]),
+            )
         elif output_type == "generate_until":
             row["response"] = resps[0] if len(resps) == 1 else _plain(resps)
         elif output_type in ("loglikelihood", "loglikelihood_rolling"):

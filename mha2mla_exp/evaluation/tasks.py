@@ -54,14 +54,17 @@ def tasks_root() -> Path:
     return cache_dir() / "eval_tasks"
 
 
-def write_task_folder(suite: str, files: dict[str, dict], extra: dict[str, str] | None = None,
-                      root: Path | None = None) -> Path:
+def write_task_folder(
+    suite: str, files: dict[str, dict], extra: dict[str, str] | None = None, root: Path | None = None
+) -> Path:
     """Write `files` ({file name: YAML mapping}) and `extra` ({file name: text}) into a folder
     named by their content hash; an existing complete folder is reused. Returns the folder.
     The string `__DIR__` in any file stands for the folder's final path (lm-eval needs absolute
     data paths)."""
-    rendered = {name: yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10**9)
-                for name, cfg in files.items()}
+    rendered = {
+        name: yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10**9)
+        for name, cfg in files.items()
+    }
     rendered.update(extra or {})
     digest = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(root) if root is not None else tasks_root()
@@ -88,9 +91,11 @@ def write_task_folder(suite: str, files: dict[str, dict], extra: dict[str, str] 
 def task_manager(include_path: Path | list[Path] | None, include_defaults: bool):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(p) for p in ([include_path] if isinstance(include_path, Path)
-                                                      else include_path or [])] or None,
-                       include_defaults=include_defaults)
+    return TaskManager(
+        include_path=[str(p) for p in ([include_path] if isinstance(include_path, Path) else include_path or [])]
+        or None,
+        include_defaults=include_defaults,
+    )
 
 
 def sample_indices(n_docs: int, limit: int | None, mode: str, seed: int) -> list[int] | None:
@@ -133,8 +138,16 @@ class TaskRun:
     rows: list[dict] = field(default_factory=list)  # per-document rows (samples.rows_from_lm_eval)
 
 
-def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults: bool = True,
-              limits: dict[str, int | None] | None = None, sample: str = "random", seed: int = 1234) -> TaskRun | None:
+def run_tasks(
+    lm,
+    task_names: list[str],
+    *,
+    include_path=None,
+    include_defaults: bool = True,
+    limits: dict[str, int | None] | None = None,
+    sample: str = "random",
+    seed: int = 1234,
+) -> TaskRun | None:
     """Evaluate leaf tasks 0-shot with lm-eval; `limits[task]` docs each (None: all), chosen by `sample`.
     Per-document results are always logged (`TaskRun.samples`, reduced to `TaskRun.rows`), in document order.
     Under several processes (`lm.world_size` > 1) each evaluates its share and rank 0 gets the whole run; the
@@ -158,21 +171,33 @@ def run_tasks(lm, task_names: list[str], *, include_path=None, include_defaults:
         samples = {k: (list(range(n_total[k])) if v is None else v) for k, v in samples.items()}
     with _global_rng_kept():  # lm-eval seeds python/numpy/torch (as its CLI does); the caller's streams survive
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=list(loaded.values()), task_manager=tm, num_fewshot=0,
-            samples=samples if use_samples else None, bootstrap_iters=0, log_samples=True,
+            model=lm,
+            tasks=list(loaded.values()),
+            task_manager=tm,
+            num_fewshot=0,
+            samples=samples if use_samples else None,
+            bootstrap_iters=0,
+            log_samples=True,
         )
     if out is None:  # not rank 0 of a multi-process evaluation: lm-eval gathered this rank's share onto rank 0
         return None
     metrics = {}
     for name in loaded:
         raw = out["results"][name]
-        metrics[name] = {k.split(",")[0]: v for k, v in raw.items()
-                         if "," in k and not k.split(",")[0].endswith("_stderr")}
+        metrics[name] = {
+            k.split(",")[0]: v for k, v in raw.items() if "," in k and not k.split(",")[0].endswith("_stderr")
+        }
     n_docs = {name: int(out["n-samples"][name]["effective"]) for name in loaded}
     logged = {name: _in_document_order(samples) for name, samples in out.get("samples", {}).items()}
     rows = [row for name, task in loaded.items() for row in rows_from_lm_eval(name, task, logged.get(name, []))]
-    return TaskRun(metrics=metrics, n_docs=n_docs, n_total=n_total, samples=logged,
-                   indices={k: (v if use_samples else None) for k, v in samples.items()}, rows=rows)
+    return TaskRun(
+        metrics=metrics,
+        n_docs=n_docs,
+        n_total=n_total,
+        samples=logged,
+        indices={k: (v if use_samples else None) for k, v in samples.items()},
+        rows=rows,
+    )
 
 
 def _in_document_order(logged: list[dict]) -> list[dict]:

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .cache import LatentCache, QuantizedLatentCache, cache_nbytes
 from .configuration import MLAConfig
 from .convert import check_architecture, convert_to_mla
-from .modeling import MLAAttention, MLAForCausalLM, MLAModel
 from .lowrank_init import LOWRANK_INITS, LowRankInit
+from .modeling import MLAAttention, MLAForCausalLM, MLAModel
 from .rope import ROPE_STRATEGIES, RopeStrategy, fixed_pairs
 from .spec import SVD_VARIANTS, MLASpec, ModelShape, default_r, kv_elements_per_token, kv_ratio, max_d_kv
 
@@ -19,8 +19,25 @@ AutoConfig.register(MLAConfig.model_type, MLAConfig, exist_ok=True)
 AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
 
 __all__ = [
-    "LatentCache", "QuantizedLatentCache", "cache_nbytes", "MLAConfig", "check_architecture", "convert_to_mla",
-    "MLAAttention", "MLAForCausalLM", "MLAModel", "fixed_pairs", "ROPE_STRATEGIES", "RopeStrategy",
-    "LOWRANK_INITS", "LowRankInit", "SVD_VARIANTS", "MLASpec", "ModelShape", "default_r", "kv_elements_per_token",
-    "kv_ratio", "max_d_kv",
+    "LatentCache",
+    "QuantizedLatentCache",
+    "cache_nbytes",
+    "MLAConfig",
+    "check_architecture",
+    "convert_to_mla",
+    "MLAAttention",
+    "MLAForCausalLM",
+    "MLAModel",
+    "fixed_pairs",
+    "ROPE_STRATEGIES",
+    "RopeStrategy",
+    "LOWRANK_INITS",
+    "LowRankInit",
+    "SVD_VARIANTS",
+    "MLASpec",
+    "ModelShape",
+    "default_r",
+    "kv_elements_per_token",
+    "kv_ratio",
+    "max_d_kv",
 ]

@@ -50,16 +50,18 @@ def selection_loss(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     for ids in batches:
         ids = ids.to(device)
         logits = model(ids, use_cache=False).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="sum")
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        )
         total, count = total + nll.item(), count + ids[:, 1:].numel()
     if not count:
         raise ValueError("the selection sample holds no tokens to predict")
     return total / count
 
 
-def search_split(spec: MLASpec, shape: ModelShape, build: Callable[[int, float], nn.Module],
-                 selection: list[torch.Tensor]) -> tuple[int, float, list[dict]]:
+def search_split(
+    spec: MLASpec, shape: ModelShape, build: Callable[[int, float], nn.Module], selection: list[torch.Tensor]
+) -> tuple[int, float, list[dict]]:
     """The pair count K (the same in every layer) and the key weight whose conversion `build(K, weight)` has the
     lowest selection loss, and every candidate tried as {rope_pairs, key_weight, selection_loss}. K first (at
     the spec's key weight, 1 when that is searched too): a grid every COARSE_STEP counts (the last included),
@@ -70,8 +72,14 @@ def search_split(spec: MLASpec, shape: ModelShape, build: Callable[[int, float],
     def loss(k: int, weight: float) -> float:
         if (k, weight) not in tried:
             tried[k, weight] = selection_loss(build(k, weight), selection)
-            log.info("KV budget %d: %d rope pairs + latent %d, key weight %g -> selection loss %.4f",
-                     spec.kv_elements, k, spec.kv_elements - 2 * k, weight, tried[k, weight])
+            log.info(
+                "KV budget %d: %d rope pairs + latent %d, key weight %g -> selection loss %.4f",
+                spec.kv_elements,
+                k,
+                spec.kv_elements - 2 * k,
+                weight,
+                tried[k, weight],
+            )
         return tried[k, weight]
 
     weight = 1.0 if spec.key_weight is None else spec.key_weight
@@ -94,8 +102,14 @@ def search_split(spec: MLASpec, shape: ModelShape, build: Callable[[int, float],
     return k, weight, candidates
 
 
-def search_widths(widths: list[int], caps: list[int], score: Callable[[list[int]], float], step: int | None = None,
-                  rounds: int | None = None, floor: int = 1) -> tuple[list[int], dict]:
+def search_widths(
+    widths: list[int],
+    caps: list[int],
+    score: Callable[[list[int]], float],
+    step: int | None = None,
+    rounds: int | None = None,
+    floor: int = 1,
+) -> tuple[list[int], dict]:
     """Per-layer latent widths with the sum of `widths` whose conversion `score(widths)` (the selection loss) is
     lowest, found by exchanges of `step` dims, each layer between `floor` and its cap. A round prices every layer
     one step wider and one step narrower than now, pairs the best gains with the cheapest losses (other layers,
@@ -105,8 +119,9 @@ def search_widths(widths: list[int], caps: list[int], score: Callable[[list[int]
     step, rounds = step or WIDTH_STEP, rounds or WIDTH_ROUNDS
     widths, total = list(widths), sum(widths)
     best = score(widths)
-    log.info("latent allocation: %d dims over %d layers, start %s -> selection loss %.4f",
-             total, len(widths), widths, best)
+    log.info(
+        "latent allocation: %d dims over %d layers, start %s -> selection loss %.4f", total, len(widths), widths, best
+    )
     record = {"uniform_loss": round(best, 6), "rounds": [], "scored": 1}
 
     def moved(base: list[int], changes: dict[int, int]) -> list[int]:
@@ -123,8 +138,15 @@ def search_widths(widths: list[int], caps: list[int], score: Callable[[list[int]
             if w - step >= floor:
                 costs[layer] = score(moved(widths, {layer: -step})) - best
             record["scored"] += (w + step <= cap) + (w - step >= floor)
-            log.info("latent allocation: layer %d at %d dims: %+d gains %s, %+d costs %s", layer, w, step,
-                     _fmt(gains.get(layer)), -step, _fmt(costs.get(layer)))
+            log.info(
+                "latent allocation: layer %d at %d dims: %+d gains %s, %+d costs %s",
+                layer,
+                w,
+                step,
+                _fmt(gains.get(layer)),
+                -step,
+                _fmt(costs.get(layer)),
+            )
         exchanges, used = [], set()
         donors = sorted(costs, key=costs.get)
         for receiver in sorted(gains, key=gains.get, reverse=True):
@@ -146,8 +168,9 @@ def search_widths(widths: list[int], caps: list[int], score: Callable[[list[int]
             break
         widths, best = kept[0], kept[1]
         record["rounds"].append({"exchanges": kept[2], "selection_loss": round(best, 6), "widths": list(widths)})
-        log.info("latent allocation: %d exchanges of %d dims -> selection loss %.4f, widths %s",
-                 kept[2], step, best, widths)
+        log.info(
+            "latent allocation: %d exchanges of %d dims -> selection loss %.4f, widths %s", kept[2], step, best, widths
+        )
     assert sum(widths) == total
     return widths, record
 

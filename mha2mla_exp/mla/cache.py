@@ -25,8 +25,10 @@ def check_kv_quant(backend: str, nbits: int, q_group_size: int = 64, residual_le
     if backend not in QUANT_BACKENDS:
         raise ValueError(f"kv_quant.backend: unknown {backend!r}; expected one of {', '.join(QUANT_BACKENDS)}")
     if isinstance(nbits, bool) or nbits not in BACKEND_NBITS[backend]:
-        raise ValueError(f"kv_quant.nbits: {nbits!r} is not supported by {backend} "
-                         f"(it implements {', '.join(map(str, BACKEND_NBITS[backend]))} bits)")
+        raise ValueError(
+            f"kv_quant.nbits: {nbits!r} is not supported by {backend} "
+            f"(it implements {', '.join(map(str, BACKEND_NBITS[backend]))} bits)"
+        )
     if isinstance(q_group_size, bool) or not isinstance(q_group_size, int) or q_group_size <= 0:
         raise ValueError(f"kv_quant.q_group_size: expected a positive integer, got {q_group_size!r}")
     if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 0:
@@ -135,8 +137,12 @@ class QuantizedLatentLayer(QuantizedLayer):
             scale, shift = quanto.MaxOptimizer()(groups, qtype, 0, groups.shape[-1])
             return quanto.quantize_weight(groups, qtype, 0, scale, shift, groups.shape[-1])
         qtensor, meta = _backend_module("hqq.core.quantize").Quantizer.quantize(
-            groups, axis=1, device=groups.device, compute_dtype=groups.dtype,
-            nbits=self.nbits, group_size=groups.shape[-1],
+            groups,
+            axis=1,
+            device=groups.device,
+            compute_dtype=groups.dtype,
+            nbits=self.nbits,
+            group_size=groups.shape[-1],
         )
         meta["compute_dtype"] = groups.dtype
         return qtensor, meta
@@ -167,8 +173,14 @@ def _backend_module(name: str):
 class QuantizedLatentCache(Cache):
     """The latent cache with k_rope and c_kv quantized (quanto or HQQ, 4 or 2 bits)."""
 
-    def __init__(self, num_layers: int, backend: str = "quanto", nbits: int = 4,
-                 q_group_size: int = 64, residual_length: int = 128):
+    def __init__(
+        self,
+        num_layers: int,
+        backend: str = "quanto",
+        nbits: int = 4,
+        q_group_size: int = 64,
+        residual_length: int = 128,
+    ):
         layers = [QuantizedLatentLayer(backend, nbits, q_group_size, residual_length) for _ in range(num_layers)]
         super().__init__(layers=layers)
 

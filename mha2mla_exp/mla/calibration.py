@@ -2,8 +2,9 @@
 
 A `Statistic` hooks the attention layers and accumulates over the calibration batches; one forward pass
 over the batches serves every statistic a conversion asks for (`Calibration.prefetch`). Named statistics
-register themselves (mha2mla_exp/registry.py), so a strategy declares `statistics = ("pair_norms", ...)`; a strategy may also bring
-its own unnamed one and run it with `Calibration.run` (RoRoPE's rotated-key norms need its rotation first).
+register themselves (mha2mla_exp/registry.py), so a strategy declares `statistics = ("pair_norms", ...)`; a
+strategy may also bring its own unnamed one and run it with `Calibration.run` (RoRoPE's rotated-key norms need
+its rotation first).
 Every result is on the CPU: pair norms in float32, moments in float64 as means per token.
 """
 
@@ -65,11 +66,17 @@ class PairNorms(Statistic):
                 x = _heads(out, heads, d_h)
                 norms = torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2)  # [B, T, heads, half]
                 total.add_(norms.mean(dim=1).sum(dim=0).double().cpu())
+
             return fn
 
-        return [h for i, attn in enumerate(layers) for h in (
-            attn.q_proj.register_forward_hook(hook(self.q[i], self.shape.num_heads)),
-            attn.k_proj.register_forward_hook(hook(self.k[i], self.shape.num_kv_heads)))]
+        return [
+            h
+            for i, attn in enumerate(layers)
+            for h in (
+                attn.q_proj.register_forward_hook(hook(self.q[i], self.shape.num_heads)),
+                attn.k_proj.register_forward_hook(hook(self.k[i], self.shape.num_kv_heads)),
+            )
+        ]
 
     def result(self, n_seqs, n_tokens):
         return (self.q / n_seqs).float(), (self.k / n_seqs).float()
@@ -94,6 +101,7 @@ class KeyPairMoments(Statistic):
                 x = _heads(out, self.shape.num_kv_heads, d_h).double()
                 re, im = x[..., :half], x[..., half:]
                 total.add_((torch.einsum("btgf,bthf->fgh", re, re) + torch.einsum("btgf,bthf->fgh", im, im)).cpu())
+
             return fn
 
         return [attn.k_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
@@ -117,6 +125,7 @@ class InputGram(Statistic):
             def fn(module, args):
                 x = args[0].reshape(-1, args[0].shape[-1]).double()
                 total.add_((x.T @ x).cpu())
+
             return fn
 
         return [attn.k_proj.register_forward_pre_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
@@ -141,6 +150,7 @@ class QueryMoments(Statistic):
             def fn(module, args, out):
                 x = _heads(out, self.shape.num_heads, self.shape.head_dim).double()
                 total.add_(torch.einsum("bthi,bthj->hij", x, x).cpu())
+
             return fn
 
         return [attn.q_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
@@ -157,8 +167,9 @@ def attention_probs(attn: nn.Module, shape, args, kwargs) -> torch.Tensor:
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     cos, sin = kwargs["position_embeddings"]
     b, t, _ = x.shape
-    q, k = (F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float()
-            for p in (attn.q_proj, attn.k_proj))
+    q, k = (
+        F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float() for p in (attn.q_proj, attn.k_proj)
+    )
     q, k = apply_rotary_pos_emb(q, k, cos.float(), sin.float())
     scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * getattr(attn, "scaling", d_h**-0.5)
     causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
@@ -193,10 +204,10 @@ class ValueSpread(Statistic):
                 o_norm = torch.einsum("bhti,hij,bhtj->bht", o, metric, o)
                 spread = (p @ v_norm.unsqueeze(-1)).squeeze(-1) - o_norm  # [B, n_h, T]
                 total.add_(spread.sum(dim=(0, 2)).double().cpu())
+
             return fn
 
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
-                for i, attn in enumerate(layers)]
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True) for i, attn in enumerate(layers)]
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
@@ -223,10 +234,10 @@ class AttendedPairStatistic(Statistic):
                 p = attention_probs(attn, self.shape, args, kwargs)
                 cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
                 total.add_(self.attended(p, cos, sin).double().cpu())
+
             return fn
 
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True)
-                for i, attn in enumerate(layers)]
+        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True) for i, attn in enumerate(layers)]
 
     def result(self, n_seqs, n_tokens):
         return (self.total / n_tokens).float()
@@ -278,6 +289,7 @@ class AttentionInputs(Statistic):
                 self.inputs[i].append(x.detach().float().cpu())
                 if i == 0:
                     self.rotary.append(tuple(c.detach().float().cpu() for c in kwargs["position_embeddings"]))
+
             return fn
 
         return [attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, attn in enumerate(layers)]

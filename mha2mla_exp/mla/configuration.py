@@ -44,9 +44,13 @@ class MLAConfig(LlamaConfig):
         n_kv*d_kv), for inits that measure candidates which one each layer kept, and under a KV budget the
         split of each layer and the search that chose it."""
         mla = self.mla or {}
-        return {"rope_layout": self.rope_layout, "latent_dims": self.latent_dims,
-                "init_choices": mla.get("init_choices"), "budget_split": mla.get("budget_split"),
-                "budget_search": mla.get("budget_search")}
+        return {
+            "rope_layout": self.rope_layout,
+            "latent_dims": self.latent_dims,
+            "init_choices": mla.get("init_choices"),
+            "budget_split": mla.get("budget_split"),
+            "budget_search": mla.get("budget_search"),
+        }
 
 
 MLAConfig.register_for_auto_class()  # saved folders carry this file as remote code (see modeling.py)

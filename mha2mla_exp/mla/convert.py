@@ -25,10 +25,24 @@ log = logging.getLogger(__name__)
 
 # Llama-config fields that every supported architecture shares and the MLA model reuses as they are
 _SHARED_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-    "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
-    "rope_parameters", "attention_dropout",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "attention_dropout",
 )
 
 
@@ -92,15 +106,30 @@ def convert_to_mla(
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
-    spec = MLASpec.create(shape, rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init,
-                          allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs,
-                          nope_keys=nope_keys, key_weight=key_weight)
+    spec = MLASpec.create(
+        shape,
+        rope=rope,
+        r=r,
+        svd=svd,
+        d_kv=d_kv,
+        score=score,
+        sigma=sigma,
+        init=init,
+        allocation=allocation,
+        kv_elements=kv_elements,
+        rope_pairs=rope_pairs,
+        nope_keys=nope_keys,
+        key_weight=key_weight,
+    )
     if spec.needs_calibration and calibration is None:
-        raise ValueError(f"{' and '.join(spec.calibrated_fields())} needs calibration data "
-                         "(an iterable of input_ids batches)")
+        raise ValueError(
+            f"{' and '.join(spec.calibrated_fields())} needs calibration data (an iterable of input_ids batches)"
+        )
     if spec.searches and selection is None:
-        raise ValueError(f"kv_elements={spec.kv_elements} with rope_pairs, key_weight or the latent allocation "
-                         "searched needs a selection sample (an iterable of input_ids batches) to score each split on")
+        raise ValueError(
+            f"kv_elements={spec.kv_elements} with rope_pairs, key_weight or the latent allocation "
+            "searched needs a selection sample (an iterable of input_ids batches) to score each split on"
+        )
     calib = Calibration(model, calibration if spec.needs_calibration else None, shape)
     calib.prefetch(spec.statistics)  # one pass for everything the strategy and the init declare
 
@@ -121,8 +150,10 @@ def convert_to_mla(
     widths, allocation = None, None
     if spec.allocation == "measured":
         widths, allocation = search_widths(
-            [spec.kv_elements - 2 * pairs] * shape.num_layers, [budget_latent_cap(shape, pairs)] * shape.num_layers,
-            lambda w: selection_loss(with_split(pairs, key_weight, w), selection))
+            [spec.kv_elements - 2 * pairs] * shape.num_layers,
+            [budget_latent_cap(shape, pairs)] * shape.num_layers,
+            lambda w: selection_loss(with_split(pairs, key_weight, w), selection),
+        )
     mla = with_split(pairs, key_weight, widths)
     if candidates:
         mla.config.mla["budget_search"] = {"rope_pairs": pairs, "key_weight": key_weight, "candidates": candidates}
@@ -131,8 +162,9 @@ def convert_to_mla(
     return mla
 
 
-def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: list, widths: list[int] | None,
-              key_weight: float) -> MLAForCausalLM:
+def _assemble(
+    model: nn.Module, spec: MLASpec, calib: Calibration, selections: list, widths: list[int] | None, key_weight: float
+) -> MLAForCausalLM:
     """The MLA model for the rope `selections` of every layer, latents of `widths` (None: n_kv*d_kv) and the
     init's NoPE-key weight times `key_weight`."""
     shape = ModelShape.from_config(model.config)
@@ -141,20 +173,19 @@ def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: l
     splits = apply_nope_keys(spec.nope_keys, splits, selections, shape, calib)
     latents = None
     if spec.svd != "none":
-        problems = [LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
-                    for i, (split, attn) in enumerate(zip(splits, layers))]
+        problems = [
+            LayerProblem(i, split, attn.v_proj.weight, attn.o_proj.weight, shape)
+            for i, (split, attn) in enumerate(zip(splits, layers))
+        ]
         latents = low_rank_latents(model, problems, spec, calib, widths, key_weight)
     config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
     if latents and any(x.choice for x in latents):
         config.mla["init_choices"] = [x.choice for x in latents]
     if spec.kv_elements is not None:
-        config.mla["budget_split"] = [{"rope_pairs": len(sel.kept), "latent": x.width} for sel, x in
-                                      zip(selections, latents)]
-    state = {
-        name: tensor.detach().clone()
-        for name, tensor in model.state_dict().items()
-        if ".self_attn." not in name
-    }
+        config.mla["budget_split"] = [
+            {"rope_pairs": len(sel.kept), "latent": x.width} for sel, x in zip(selections, latents)
+        ]
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if ".self_attn." not in name}
     for i, (attn, split) in enumerate(zip(layers, splits)):
         weights = attention_weights(attn, split, spec, None if latents is None else latents[i])
         state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
@@ -174,7 +205,9 @@ def _assemble(model: nn.Module, spec: MLASpec, calib: Calibration, selections: l
     return mla
 
 
-def build_mla_config(model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int] | None = None) -> MLAConfig:
+def build_mla_config(
+    model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int] | None = None
+) -> MLAConfig:
     src = model.config
     shape = ModelShape.from_config(src)
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
@@ -214,8 +247,14 @@ class Latent:
         return self.down.shape[0]
 
 
-def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASpec, calib: Calibration,
-                     widths: list[int] | None = None, key_weight: float = 1.0) -> list[Latent]:
+def low_rank_latents(
+    model: nn.Module,
+    problems: list[LayerProblem],
+    spec: MLASpec,
+    calib: Calibration,
+    widths: list[int] | None = None,
+    key_weight: float = 1.0,
+) -> list[Latent]:
     """Every layer's factors under the spec's init and allocation, `widths` wide (None: n_kv*d_kv, or, under
     'global' allocation, that total sized by the energies of the init's own weighting). The factorised rows
     are the compact NoPE keys and the values; `nope_embed` maps the key factor back to the keys heads meet.
@@ -230,8 +269,10 @@ def low_rank_latents(model: nn.Module, problems: list[LayerProblem], spec: MLASp
     if widths is None:
         widths = [shape.num_kv_heads * spec.d_kv] * len(problems)
     if spec.allocation == "global":
-        energies = [_joint_svd(p, _weigh_keys(init.weighting(p, calib), key_weight, len(p.split.nope_weight))).energy
-                    for p in problems]
+        energies = [
+            _joint_svd(p, _weigh_keys(init.weighting(p, calib), key_weight, len(p.split.nope_weight))).energy
+            for p in problems
+        ]
         caps = [shape.num_kv_heads * max_d_kv(shape, spec.r, "joint")] * len(problems)
         widths = allocate_ranks(energies, sum(widths), caps)
     meter = None
@@ -254,8 +295,11 @@ def _weigh_keys(w: Weighting, factor: float, m_k: int) -> Weighting:
 
 
 def _joint_svd(p: LayerProblem, w: Weighting):
-    left = None if w.k is None and w.v is None else torch.block_diag(
-        _or_eye(w.k, len(p.split.nope_weight)), _or_eye(w.v, len(p.v_weight)))
+    left = (
+        None
+        if w.k is None and w.v is None
+        else torch.block_diag(_or_eye(w.k, len(p.split.nope_weight)), _or_eye(w.v, len(p.v_weight)))
+    )
     return weighted_svd(torch.cat([p.split.nope_weight, p.v_weight]), left, w.inputs)
 
 
@@ -281,8 +325,10 @@ class LayerMeter:
         self.splits = splits
         self.full = replace(spec, svd="none", d_kv=None, init="weight", allocation="uniform")
         self.spec = spec
-        self.configs = {self.full: build_mla_config(model, self.full, splits),
-                        spec: build_mla_config(model, spec, splits, widths)}
+        self.configs = {
+            self.full: build_mla_config(model, self.full, splits),
+            spec: build_mla_config(model, spec, splits, widths),
+        }
         self.references: dict[int, list[torch.Tensor]] = {}
 
     @torch.no_grad()
@@ -319,10 +365,15 @@ def _embed(split: KeySplit, k_up: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_weights(attn: nn.Module, split: KeySplit, spec: MLASpec, latent: Latent | None) -> dict[str, torch.Tensor]:
+def attention_weights(
+    attn: nn.Module, split: KeySplit, spec: MLASpec, latent: Latent | None
+) -> dict[str, torch.Tensor]:
     """The MLA attention weights of one layer, keyed by MLAAttention's parameter names."""
-    out: dict[str, torch.Tensor] = {"q_proj.weight": split.q_weight, "k_rope_proj.weight": split.rope_weight,
-                                    "o_proj.weight": attn.o_proj.weight}
+    out: dict[str, torch.Tensor] = {
+        "q_proj.weight": split.q_weight,
+        "k_rope_proj.weight": split.rope_weight,
+        "o_proj.weight": attn.o_proj.weight,
+    }
     for name, bias in (("q_proj", split.q_bias), ("k_rope_proj", split.rope_bias), ("o_proj", attn.o_proj.bias)):
         if bias is not None:
             out[f"{name}.bias"] = bias

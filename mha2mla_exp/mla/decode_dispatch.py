@@ -63,7 +63,5 @@ def absorbed_decode(
         from .decode_triton import absorbed_decode_triton
 
         _state["triton_calls"] += 1
-        return absorbed_decode_triton(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale,
-                                      valid_start, valid_end)
-    return absorbed_decode_reference(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale,
-                                     valid_start, valid_end)
+        return absorbed_decode_triton(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale, valid_start, valid_end)
+    return absorbed_decode_reference(q_rope, q_latent, k_rope, latent, k_slice, v_slice, scale, valid_start, valid_end)

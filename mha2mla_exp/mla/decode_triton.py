@@ -30,16 +30,48 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(
-    QR, QL, KR, LAT, VSTART, VEND, OPART, LSE,
-    s_qr_b, s_qr_h, s_ql_b, s_ql_h,
-    s_kr_b, s_kr_h, s_kr_s,
-    s_lat_b, s_lat_s,
-    s_op_b, s_op_h, s_op_sp,
-    s_lse_b, s_lse_h,
-    n_heads, group, seq_len, split_len, k_start, v_start, L_K, L_V, R, qk_scale, value_chunks,
-    HAS_ROPE: tl.constexpr, HAS_VALID: tl.constexpr, SAME_KV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_LC: tl.constexpr,
-    BLOCK_LV: tl.constexpr, PRECISION: tl.constexpr,
+    QR,
+    QL,
+    KR,
+    LAT,
+    VSTART,
+    VEND,
+    OPART,
+    LSE,
+    s_qr_b,
+    s_qr_h,
+    s_ql_b,
+    s_ql_h,
+    s_kr_b,
+    s_kr_h,
+    s_kr_s,
+    s_lat_b,
+    s_lat_s,
+    s_op_b,
+    s_op_h,
+    s_op_sp,
+    s_lse_b,
+    s_lse_h,
+    n_heads,
+    group,
+    seq_len,
+    split_len,
+    k_start,
+    v_start,
+    L_K,
+    L_V,
+    R,
+    qk_scale,
+    value_chunks,
+    HAS_ROPE: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    SAME_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_LK: tl.constexpr,
+    BLOCK_LC: tl.constexpr,
+    BLOCK_LV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # BLOCK_LK: the key width padded; BLOCK_LC: the key chunk a dot reads (== BLOCK_LK: the whole query
     # stays in registers); BLOCK_LV: the value columns this program accumulates (value_chunks programs
@@ -77,8 +109,11 @@ def _split_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < hi
         if BLOCK_LC == BLOCK_LK:
-            k_tile = tl.load(lat_base + offs_s[:, None] * s_lat_s + k_start + offs_lk[None, :],
-                             mask=s_ok[:, None] & lk_ok[None, :], other=0.0)
+            k_tile = tl.load(
+                lat_base + offs_s[:, None] * s_lat_s + k_start + offs_lk[None, :],
+                mask=s_ok[:, None] & lk_ok[None, :],
+                other=0.0,
+            )
             scores = tl.dot(q_lat, tl.trans(k_tile), input_precision=PRECISION)  # [BLOCK_H, BLOCK_S]
         else:
             scores = tl.zeros([BLOCK_H, BLOCK_S], tl.float32)
@@ -86,8 +121,11 @@ def _split_kernel(
                 offs_c = c0 + tl.arange(0, BLOCK_LC)
                 c_ok = offs_c < L_K
                 q_c = tl.load(ql_base + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-                k_c = tl.load(lat_base + offs_s[:, None] * s_lat_s + k_start + offs_c[None, :],
-                              mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+                k_c = tl.load(
+                    lat_base + offs_s[:, None] * s_lat_s + k_start + offs_c[None, :],
+                    mask=s_ok[:, None] & c_ok[None, :],
+                    other=0.0,
+                )
                 scores = tl.dot(q_c, tl.trans(k_c), scores, input_precision=PRECISION)
         if HAS_ROPE:
             for j in range(0, R):
@@ -103,26 +141,42 @@ def _split_kernel(
         if SAME_KV:
             v_tile = k_tile
         else:
-            v_tile = tl.load(lat_base + offs_s[:, None] * s_lat_s + v_start + offs_lv[None, :],
-                             mask=s_ok[:, None] & lv_ok[None, :], other=0.0)
+            v_tile = tl.load(
+                lat_base + offs_s[:, None] * s_lat_s + v_start + offs_lv[None, :],
+                mask=s_ok[:, None] & lv_ok[None, :],
+                other=0.0,
+            )
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(OPART + b * s_op_b + offs_h[:, None] * s_op_h + sp * s_op_sp + offs_lv[None, :], acc,
-             mask=h_ok[:, None] & lv_ok[None, :])
+    tl.store(
+        OPART + b * s_op_b + offs_h[:, None] * s_op_h + sp * s_op_sp + offs_lv[None, :],
+        acc,
+        mask=h_ok[:, None] & lv_ok[None, :],
+    )
     if vc == 0:  # the same in every value chunk
         tl.store(LSE + b * s_lse_b + offs_h * s_lse_h + sp, lse, mask=h_ok)
 
 
 @triton.jit
 def _merge_kernel(
-    OPART, LSE, OUT,
-    s_op_b, s_op_h, s_op_sp, s_lse_b, s_lse_h, s_o_b, s_o_h,
-    num_splits, L_V,
-    BLOCK_SP: tl.constexpr, BLOCK_LV: tl.constexpr,
+    OPART,
+    LSE,
+    OUT,
+    s_op_b,
+    s_op_h,
+    s_op_sp,
+    s_lse_b,
+    s_lse_h,
+    s_o_b,
+    s_o_h,
+    num_splits,
+    L_V,
+    BLOCK_SP: tl.constexpr,
+    BLOCK_LV: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -165,17 +219,57 @@ MAX_BLOCKS_PER_SM = 32
 # fit an SM and so the split count. Chosen so that nothing spills: tests/test_kernels.py compiles every
 # row and checks both; `python -m mha2mla_exp.mla.kernels.tune` times alternatives on a GPU.
 LAUNCH_TABLE = {
-    128: dict(BLOCK_H=16, BLOCK_S=16, KEY_CHUNK=None, VALUE_CHUNK=None, num_warps=4, num_stages=2,
-              registers={"one_slice": 102, "two_slices": 146}, shared_bytes={"one_slice": 12288, "two_slices": 8704}),
-    256: dict(BLOCK_H=32, BLOCK_S=32, KEY_CHUNK=None, VALUE_CHUNK=None, num_warps=8, num_stages=2,
-              registers={"one_slice": 128, "two_slices": 175}, shared_bytes={"one_slice": 49152, "two_slices": 34816}),
-    512: dict(BLOCK_H=16, BLOCK_S=32, KEY_CHUNK=None, VALUE_CHUNK=None, num_warps=8, num_stages=2,
-              registers={"one_slice": 128, "two_slices": 208}, shared_bytes={"one_slice": 65536, "two_slices": 50176}),
-    1024: dict(BLOCK_H=16, BLOCK_S=16, KEY_CHUNK=None, VALUE_CHUNK=None, num_warps=8, num_stages=2,
-               registers={"one_slice": 205, "two_slices": 236}, shared_bytes={"one_slice": 73728, "two_slices": 66048}),
+    128: dict(
+        BLOCK_H=16,
+        BLOCK_S=16,
+        KEY_CHUNK=None,
+        VALUE_CHUNK=None,
+        num_warps=4,
+        num_stages=2,
+        registers={"one_slice": 102, "two_slices": 146},
+        shared_bytes={"one_slice": 12288, "two_slices": 8704},
+    ),
+    256: dict(
+        BLOCK_H=32,
+        BLOCK_S=32,
+        KEY_CHUNK=None,
+        VALUE_CHUNK=None,
+        num_warps=8,
+        num_stages=2,
+        registers={"one_slice": 128, "two_slices": 175},
+        shared_bytes={"one_slice": 49152, "two_slices": 34816},
+    ),
+    512: dict(
+        BLOCK_H=16,
+        BLOCK_S=32,
+        KEY_CHUNK=None,
+        VALUE_CHUNK=None,
+        num_warps=8,
+        num_stages=2,
+        registers={"one_slice": 128, "two_slices": 208},
+        shared_bytes={"one_slice": 65536, "two_slices": 50176},
+    ),
+    1024: dict(
+        BLOCK_H=16,
+        BLOCK_S=16,
+        KEY_CHUNK=None,
+        VALUE_CHUNK=None,
+        num_warps=8,
+        num_stages=2,
+        registers={"one_slice": 205, "two_slices": 236},
+        shared_bytes={"one_slice": 73728, "two_slices": 66048},
+    ),
     # a [16, 2048] fp32 accumulator spills whatever the warps: four programs take 512 value columns each
-    2048: dict(BLOCK_H=16, BLOCK_S=16, KEY_CHUNK=256, VALUE_CHUNK=512, num_warps=8, num_stages=2,
-               registers={"one_slice": 165, "two_slices": 165}, shared_bytes={"one_slice": 32768, "two_slices": 32768}),
+    2048: dict(
+        BLOCK_H=16,
+        BLOCK_S=16,
+        KEY_CHUNK=256,
+        VALUE_CHUNK=512,
+        num_warps=8,
+        num_stages=2,
+        registers={"one_slice": 165, "two_slices": 165},
+        shared_bytes={"one_slice": 32768, "two_slices": 32768},
+    ),
 }
 
 
@@ -194,8 +288,15 @@ def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int = 0) -> int:
     return max(1, min(by_registers, by_shared, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM))
 
 
-def default_config(batch: int, n_heads: int, seq_len: int, latent_width: int, device: torch.device,
-                   one_slice: bool = True, sm_count: int | None = None) -> dict:
+def default_config(
+    batch: int,
+    n_heads: int,
+    seq_len: int,
+    latent_width: int,
+    device: torch.device,
+    one_slice: bool = True,
+    sm_count: int | None = None,
+) -> dict:
     """Launch parameters: the table's row, and enough sequence splits that every SM holds as many programs
     as fit on it (`blocks_per_sm` of the row's registers and shared memory), but no split shorter than 256
     tokens (each split costs a partial-result write and a merge read). `one_slice`: keys and values are one
@@ -209,21 +310,38 @@ def default_config(batch: int, n_heads: int, seq_len: int, latent_width: int, de
     slices = "one_slice" if one_slice else "two_slices"
     resident = blocks_per_sm(row["registers"][slices], row["num_warps"], row["shared_bytes"][slices])
     splits = max(1, min(triton.cdiv(sm_count * resident, programs), triton.cdiv(seq_len, 256), 128))
-    return {"BLOCK_H": block_h, "BLOCK_S": row["BLOCK_S"], "KEY_CHUNK": row["KEY_CHUNK"],
-            "VALUE_CHUNK": row["VALUE_CHUNK"], "num_splits": splits, "num_warps": row["num_warps"],
-            "num_stages": row["num_stages"]}
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_S": row["BLOCK_S"],
+        "KEY_CHUNK": row["KEY_CHUNK"],
+        "VALUE_CHUNK": row["VALUE_CHUNK"],
+        "num_splits": splits,
+        "num_warps": row["num_warps"],
+        "num_stages": row["num_stages"],
+    }
 
 
 def kernel_widths(l_k: int, l_v: int, cfg: dict) -> dict:
     """The split kernel's width constexprs for key width l_k, value width l_v and a launch config."""
     block_lk, block_lv = max(16, triton.next_power_of_2(l_k)), max(16, triton.next_power_of_2(l_v))
-    return {"BLOCK_LK": block_lk, "BLOCK_LC": min(block_lk, cfg.get("KEY_CHUNK") or block_lk),
-            "BLOCK_LV": min(block_lv, cfg.get("VALUE_CHUNK") or block_lv)}
+    return {
+        "BLOCK_LK": block_lk,
+        "BLOCK_LC": min(block_lk, cfg.get("KEY_CHUNK") or block_lk),
+        "BLOCK_LV": min(block_lv, cfg.get("VALUE_CHUNK") or block_lv),
+    }
 
 
 def absorbed_decode_triton(
-    q_rope, q_latent, k_rope, latent, k_slice: slice, v_slice: slice, scale: float,
-    valid_start=None, valid_end=None, config: dict | None = None,
+    q_rope,
+    q_latent,
+    k_rope,
+    latent,
+    k_slice: slice,
+    v_slice: slice,
+    scale: float,
+    valid_start=None,
+    valid_end=None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """The Triton version of `absorbed_decode_reference` (same arguments, same result)."""
     b, n_h, l_k = q_latent.shape
@@ -234,8 +352,9 @@ def absorbed_decode_triton(
     if n_h % n_kv:
         raise ValueError(f"{n_h} query heads are not a multiple of {n_kv} KV heads")
     # the kernels index the last dim with unit stride
-    q_rope, q_latent, k_rope, latent = (t if t.stride(-1) == 1 else t.contiguous()
-                                         for t in (q_rope, q_latent, k_rope, latent))
+    q_rope, q_latent, k_rope, latent = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (q_rope, q_latent, k_rope, latent)
+    )
     cfg = default_config(b, n_h, s, max(l_k, l_v), latent.device, k_slice == v_slice) | (config or {})
     block_h, block_s, splits = cfg["BLOCK_H"], cfg["BLOCK_S"], cfg["num_splits"]
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s  # whole tiles per split
@@ -249,10 +368,16 @@ def absorbed_decode_triton(
     out = torch.empty(b, n_h, l_v, device=dev, dtype=latent.dtype)
     has_valid = valid_start is not None or valid_end is not None
     if has_valid:
-        valid_start = (torch.zeros(b, device=dev, dtype=torch.int32) if valid_start is None
-                       else valid_start.to(device=dev, dtype=torch.int32))
-        valid_end = (torch.full((b,), s, device=dev, dtype=torch.int32) if valid_end is None
-                     else valid_end.to(device=dev, dtype=torch.int32))
+        valid_start = (
+            torch.zeros(b, device=dev, dtype=torch.int32)
+            if valid_start is None
+            else valid_start.to(device=dev, dtype=torch.int32)
+        )
+        valid_end = (
+            torch.full((b,), s, device=dev, dtype=torch.int32)
+            if valid_end is None
+            else valid_end.to(device=dev, dtype=torch.int32)
+        )
     # one key chunk and one value chunk over the same slice: the key tile is the value tile
     same_kv = k_slice == v_slice and widths["BLOCK_LC"] == widths["BLOCK_LK"] and value_chunks == 1
     # fp32 inputs: exact products (tl.dot would use tf32 on the GPU); 16-bit inputs: tensor cores
@@ -260,21 +385,64 @@ def absorbed_decode_triton(
     if not r:  # NoPE: the rope arguments are never read; pass real tensors, not empty ones
         q_rope, k_rope = q_latent, latent.unsqueeze(1)
     _split_kernel[(triton.cdiv(n_h, block_h) * value_chunks, b, splits)](
-        q_rope, q_latent, k_rope, latent, valid_start, valid_end, o_part, lse,
-        q_rope.stride(0), q_rope.stride(1), q_latent.stride(0), q_latent.stride(1),
-        k_rope.stride(0), k_rope.stride(1), k_rope.stride(2),
-        latent.stride(0), latent.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1),
-        n_h, n_h // n_kv, s, split_len, k_slice.start, v_slice.start, l_k, l_v, r, scale * _LOG2E, value_chunks,
-        HAS_ROPE=r > 0, HAS_VALID=has_valid, SAME_KV=same_kv, BLOCK_H=block_h, BLOCK_S=block_s, **widths,
-        PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q_rope,
+        q_latent,
+        k_rope,
+        latent,
+        valid_start,
+        valid_end,
+        o_part,
+        lse,
+        q_rope.stride(0),
+        q_rope.stride(1),
+        q_latent.stride(0),
+        q_latent.stride(1),
+        k_rope.stride(0),
+        k_rope.stride(1),
+        k_rope.stride(2),
+        latent.stride(0),
+        latent.stride(1),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        n_h,
+        n_h // n_kv,
+        s,
+        split_len,
+        k_slice.start,
+        v_slice.start,
+        l_k,
+        l_v,
+        r,
+        scale * _LOG2E,
+        value_chunks,
+        HAS_ROPE=r > 0,
+        HAS_VALID=has_valid,
+        SAME_KV=same_kv,
+        BLOCK_H=block_h,
+        BLOCK_S=block_s,
+        **widths,
+        PRECISION=precision,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     _merge_kernel[(b, n_h)](
-        o_part, lse, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), splits, l_v,
-        BLOCK_SP=max(2, triton.next_power_of_2(splits)), BLOCK_LV=max(16, triton.next_power_of_2(l_v)),
+        o_part,
+        lse,
+        out,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        splits,
+        l_v,
+        BLOCK_SP=max(2, triton.next_power_of_2(splits)),
+        BLOCK_LV=max(16, triton.next_power_of_2(l_v)),
         num_warps=4,
     )
     return out

@@ -37,15 +37,15 @@ class KeySplit:
     """
 
     layout: str
-    pairs: list[list[int]]               # config.rope_pairs[layer]: kept frequency pairs per rope-key head
+    pairs: list[list[int]]  # config.rope_pairs[layer]: kept frequency pairs per rope-key head
     q_weight: torch.Tensor
     q_bias: torch.Tensor | None
-    rope_weight: torch.Tensor            # k_rope_proj rows: rope key heads x [kept dims, their partners]
+    rope_weight: torch.Tensor  # k_rope_proj rows: rope key heads x [kept dims, their partners]
     rope_bias: torch.Tensor | None
     nope_weight: torch.Tensor
     nope_bias: torch.Tensor | None
     nope_embed: torch.Tensor | None
-    nope_query_index: torch.Tensor       # [n_kv, nope_dim]
+    nope_query_index: torch.Tensor  # [n_kv, nope_dim]
     q_rope_scale: torch.Tensor | None = None  # shared layout: [n_h, n_kv*r], U_f[g(h), c] per kept pair
 
     @property
@@ -78,8 +78,9 @@ class HeadPairs:
         """Per KV head, its RoPE dims and its NoPE dims (the rows of the split's `nope_weight`), [n_kv, *]."""
         n_kv, d_h = shape.num_kv_heads, shape.head_dim
         rope = torch.tensor([rope_dims(p, d_h) for p in self.pairs], dtype=torch.long).view(n_kv, -1)
-        nope = torch.tensor([[i for i in range(d_h) if i not in set(dims)] for dims in rope.tolist()],
-                            dtype=torch.long).view(n_kv, -1)
+        nope = torch.tensor(
+            [[i for i in range(d_h) if i not in set(dims)] for dims in rope.tolist()], dtype=torch.long
+        ).view(n_kv, -1)
         return rope, nope
 
     def split(self, attn: nn.Module, shape) -> KeySplit:
@@ -89,8 +90,18 @@ class HeadPairs:
         q_weight, q_bias = _rows(attn.q_proj, n_h, d_h, perm)
         rope_weight, rope_bias = _rows(attn.k_proj, n_kv, d_h, rope)
         nope_weight, nope_bias = _rows(attn.k_proj, n_kv, d_h, nope)
-        return KeySplit(PER_HEAD, [list(p) for p in self.pairs], q_weight, q_bias, rope_weight, rope_bias,
-                        nope_weight, nope_bias, None, nope)
+        return KeySplit(
+            PER_HEAD,
+            [list(p) for p in self.pairs],
+            q_weight,
+            q_bias,
+            rope_weight,
+            rope_bias,
+            nope_weight,
+            nope_bias,
+            None,
+            nope,
+        )
 
     def nope_readers(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """For each row of the split's `nope_weight`: its frequency pair [m], and each query head's
@@ -107,7 +118,7 @@ class RotatedPairs:
     """Layout 'shared': `rotation[f]` is U_f (columns = components), `kept` the (component, frequency)
     pairs that keep RoPE, n_kv*r of them."""
 
-    rotation: torch.Tensor               # [d_h/2, n_kv, n_kv], orthogonal per frequency
+    rotation: torch.Tensor  # [d_h/2, n_kv, n_kv], orthogonal per frequency
     kept: list[tuple[int, int]]
 
     layout = SHARED
@@ -144,9 +155,17 @@ class RotatedPairs:
         scale = torch.stack([u[f, group, c] for c, f in kept], dim=1) if kept else torch.zeros(n_h, 0)
         dtype = attn.k_proj.weight.dtype
         return KeySplit(
-            SHARED, [[f for _, f in kept]], attn.q_proj.weight, attn.q_proj.bias,
-            pick(k_rot, kept), rope_bias, pick(k_rot, dropped), nope_bias, embed.to(dtype),
-            torch.arange(nope_dim).repeat(n_kv, 1), q_rope_scale=scale.to(dtype),
+            SHARED,
+            [[f for _, f in kept]],
+            attn.q_proj.weight,
+            attn.q_proj.bias,
+            pick(k_rot, kept),
+            rope_bias,
+            pick(k_rot, dropped),
+            nope_bias,
+            embed.to(dtype),
+            torch.arange(nope_dim).repeat(n_kv, 1),
+            q_rope_scale=scale.to(dtype),
         )
 
     def dropped(self, shape) -> list[tuple[int, int]]:

@@ -33,7 +33,7 @@ class WeightedSVD:
     u: torch.Tensor
     s: torch.Tensor
     vh: torch.Tensor
-    left: torch.Tensor | None   # L
+    left: torch.Tensor | None  # L
     right: torch.Tensor | None  # R
     dtype: torch.dtype
 
@@ -71,8 +71,9 @@ class WeightedSVD:
         return down.to(self.dtype).contiguous(), up.to(self.dtype).contiguous()
 
 
-def weighted_svd(weight: torch.Tensor, left: torch.Tensor | None = None,
-                 right: torch.Tensor | None = None) -> WeightedSVD:
+def weighted_svd(
+    weight: torch.Tensor, left: torch.Tensor | None = None, right: torch.Tensor | None = None
+) -> WeightedSVD:
     """The SVD of `weight` whitened by `left` (M, on its rows) and `right` (G, on its columns), in float64
     on the weight's device."""
     w = weight.double()
@@ -86,8 +87,13 @@ def weighted_svd(weight: torch.Tensor, left: torch.Tensor | None = None,
     return WeightedSVD(u, s, vh, chol_l, chol_r, weight.dtype)
 
 
-def low_rank_factors(weight: torch.Tensor, rank: int, sigma: str = "up", gram: torch.Tensor | None = None,
-                     left: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank_factors(
+    weight: torch.Tensor,
+    rank: int,
+    sigma: str = "up",
+    gram: torch.Tensor | None = None,
+    left: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(down, up) of the rank-`rank` truncation of `weight` under input weight `gram` and output weight `left`."""
     return weighted_svd(weight, left, gram).factors(rank, sigma)
 
@@ -97,11 +103,16 @@ def allocate_ranks(energies: list[torch.Tensor], total: int, caps: list[int], fl
     layer at least `floor`, at most its cap): under a fixed total latent, the rank goes where the init's
     objective falls most. Ties go to the earlier layer."""
     if total > sum(caps) or total < floor * len(caps):
-        raise ValueError(f"a total rank of {total} cannot be split over {len(caps)} layers "
-                         f"(at least {floor}, at most {caps} each)")
+        raise ValueError(
+            f"a total rank of {total} cannot be split over {len(caps)} layers (at least {floor}, at most {caps} each)"
+        )
     ranks = [floor] * len(caps)
-    candidates = [(float(e), layer, i) for layer, (energy, cap) in enumerate(zip(energies, caps))
-                  for i, e in enumerate(energy[:cap].tolist()) if i >= floor]
+    candidates = [
+        (float(e), layer, i)
+        for layer, (energy, cap) in enumerate(zip(energies, caps))
+        for i, e in enumerate(energy[:cap].tolist())
+        if i >= floor
+    ]
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))  # within a layer energies are sorted already
     for _, layer, _ in candidates[: total - sum(ranks)]:
         ranks[layer] += 1

@@ -162,9 +162,14 @@ class MLAAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         out, _ = attention_interface(
-            self, query, key, v, attention_mask,
+            self,
+            query,
+            key,
+            v,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, **kwargs,
+            scaling=self.scaling,
+            **kwargs,
         )
         return out  # [B, T, n_h, d_h]
 
@@ -175,8 +180,15 @@ class MLAAttention(nn.Module):
         b, n_h, t, _ = q_nope.shape
         if t == 1 and attention_mask is None:  # decode: one fused pass over the cache (Triton on CUDA)
             q_latent = self._fold_query(q_nope).to(latent.dtype)
-            attended = absorbed_decode(q_rope.reshape(b, n_h, self.rope_dim), q_latent.reshape(b, n_h, -1),
-                                       k_rope, latent.squeeze(1), self.k_latent, self.v_latent, self.scaling)
+            attended = absorbed_decode(
+                q_rope.reshape(b, n_h, self.rope_dim),
+                q_latent.reshape(b, n_h, -1),
+                k_rope,
+                latent.squeeze(1),
+                self.k_latent,
+                self.v_latent,
+                self.scaling,
+            )
             attended = attended.view(b, n_h, 1, -1)
         else:
             attended = self._absorbed_prefill(q_rope, q_nope, k_rope, latent, attention_mask)
@@ -254,7 +266,7 @@ def _mask_query_rows(scores: torch.Tensor, mask, row_start: int, rows_total: int
         causal = torch.arange(s, device=scores.device)[None, :] <= rows + (s - rows_total)
         return scores.masked_fill(~causal, masked)
     if mask.shape[-2] != 1:
-        mask = mask[..., row_start:row_start + tc, :]
+        mask = mask[..., row_start : row_start + tc, :]
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, masked)
     return scores + mask

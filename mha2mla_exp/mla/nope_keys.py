@@ -40,8 +40,9 @@ def nope_key_scale(selection, shape, cosine: torch.Tensor, q_norms: torch.Tensor
     return (weight * cosine.double().T[freqs]).sum(1) / weight.sum(1).clamp_min(1e-30)
 
 
-def apply_nope_keys(nope_keys: str, splits: list[KeySplit], selections: list, shape,
-                    calib: Calibration) -> list[KeySplit]:
+def apply_nope_keys(
+    nope_keys: str, splits: list[KeySplit], selections: list, shape, calib: Calibration
+) -> list[KeySplit]:
     """The splits with their NoPE keys as `nope_keys` asks ('plain': unchanged)."""
     if nope_keys == "plain":
         return splits

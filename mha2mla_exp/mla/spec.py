@@ -49,7 +49,7 @@ class MLASpec:
     """A validated conversion recipe (see METHOD.md). Build it with `MLASpec.create`."""
 
     rope: str
-    r: int | None                   # None under a KV budget (kv_elements): the pairs per layer are its split
+    r: int | None  # None under a KV budget (kv_elements): the pairs per layer are its split
     svd: str
     d_kv: int | None
     score: str = "product"
@@ -57,8 +57,8 @@ class MLASpec:
     init: str = "weight"
     allocation: str = "uniform"
     kv_elements: int | None = None  # a KV budget per token and layer (rope dims + latent) instead of r / d_kv
-    rope_pairs: int | None = None   # with kv_elements: rotated pairs every layer keeps; None = searched (budget.py)
-    nope_keys: str = "plain"        # the keys of pairs that lose RoPE: plain | attended (mla/nope_keys.py)
+    rope_pairs: int | None = None  # with kv_elements: rotated pairs every layer keeps; None = searched (budget.py)
+    nope_keys: str = "plain"  # the keys of pairs that lose RoPE: plain | attended (mla/nope_keys.py)
     key_weight: float | None = 1.0  # joint SVD: the init's NoPE-key error weight times this; None = searched
 
     @classmethod
@@ -86,8 +86,9 @@ class MLASpec:
         _check_choice("svd", svd, SVD_VARIANTS)
         _check_choice("score", score, SCORES)
         if score not in strategy.scores:
-            raise ValueError(f"score={score!r} has no meaning for rope={rope!r}: "
-                             f"it takes {', '.join(map(repr, strategy.scores))}")
+            raise ValueError(
+                f"score={score!r} has no meaning for rope={rope!r}: it takes {', '.join(map(repr, strategy.scores))}"
+            )
         _check_choice("sigma", sigma, SIGMA_PLACEMENTS)
         LOWRANK_INITS.get(init)
         _check_choice("allocation", allocation, ALLOCATIONS)
@@ -97,12 +98,25 @@ class MLASpec:
             raise ValueError(f"num_heads={shape.num_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
         if kv_elements is not None or rope_pairs is not None:  # r has no meaning: the budget's split decides
             _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs)
-            return cls(rope=rope, r=None, svd=svd, d_kv=None, score=score, sigma=sigma, init=init,
-                       allocation=allocation, kv_elements=kv_elements, rope_pairs=rope_pairs, nope_keys=nope_keys,
-                       key_weight=key_weight)
+            return cls(
+                rope=rope,
+                r=None,
+                svd=svd,
+                d_kv=None,
+                score=score,
+                sigma=sigma,
+                init=init,
+                allocation=allocation,
+                kv_elements=kv_elements,
+                rope_pairs=rope_pairs,
+                nope_keys=nope_keys,
+                key_weight=key_weight,
+            )
         if allocation == "measured":
-            raise ValueError("allocation='measured' needs kv_elements: it spreads a KV budget's latent over the layers "
-                             "by the model's loss on a selection sample")
+            raise ValueError(
+                "allocation='measured' needs kv_elements: it spreads a KV budget's latent over the layers "
+                "by the model's loss on a selection sample"
+            )
         r = strategy.resolve_r(r, shape.head_dim)
 
         if svd == "none":
@@ -128,8 +142,18 @@ class MLASpec:
                     f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
-        return cls(rope=rope, r=r, svd=svd, d_kv=d_kv, score=score, sigma=sigma, init=init, allocation=allocation,
-                   nope_keys=nope_keys, key_weight=key_weight)
+        return cls(
+            rope=rope,
+            r=r,
+            svd=svd,
+            d_kv=d_kv,
+            score=score,
+            sigma=sigma,
+            init=init,
+            allocation=allocation,
+            nope_keys=nope_keys,
+            key_weight=key_weight,
+        )
 
     @classmethod
     def recorded(cls, mla: dict) -> "MLASpec":
@@ -148,8 +172,9 @@ class MLASpec:
     def searches(self) -> bool:
         """A KV budget whose rope/latent split, key weight or per-layer latent widths are searched on a selection
         sample (mla/budget.py)."""
-        return self.kv_elements is not None and (self.rope_pairs is None or self.key_weight is None
-                                                 or self.allocation == "measured")
+        return self.kv_elements is not None and (
+            self.rope_pairs is None or self.key_weight is None or self.allocation == "measured"
+        )
 
     @property
     def needs_calibration(self) -> bool:
@@ -178,8 +203,13 @@ class MLASpec:
         if self.svd == "none":
             return rope, "nosvd"
         key = "" if self.key_weight == 1.0 else "kwsearch" if self.key_weight is None else f"kw{self.key_weight:g}"
-        options = [width, "sqrt" if self.sigma == "sqrt" else "",
-                   LOWRANK_INITS.get(self.init).label, "" if self.allocation == "uniform" else self.allocation, key]
+        options = [
+            width,
+            "sqrt" if self.sigma == "sqrt" else "",
+            LOWRANK_INITS.get(self.init).label,
+            "" if self.allocation == "uniform" else self.allocation,
+            key,
+        ]
         return rope, "-".join(o for o in options if o)
 
     def to_dict(self) -> dict:
@@ -229,8 +259,11 @@ def budget_latent_cap(shape: ModelShape, rope_pairs: int) -> int:
 def budget_pair_range(shape: ModelShape, kv_elements: int) -> range:
     """The rotated-pair counts K a layer may keep under `kv_elements` per token: at least one pair, a latent
     of at least one dim (kv_elements - 2K), and no wider than the rank of [NoPE keys; values] or the input."""
-    pairs = [k for k in range(1, shape.num_kv_heads * shape.head_dim // 2 + 1)
-             if 1 <= kv_elements - 2 * k <= budget_latent_cap(shape, k)]
+    pairs = [
+        k
+        for k in range(1, shape.num_kv_heads * shape.head_dim // 2 + 1)
+        if 1 <= kv_elements - 2 * k <= budget_latent_cap(shape, k)
+    ]
     return range(pairs[0], pairs[-1] + 1) if pairs else range(0)
 
 
@@ -240,34 +273,44 @@ def _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pair
     if isinstance(kv_elements, bool) or not isinstance(kv_elements, int) or kv_elements < 3:
         raise ValueError(f"kv_elements must be an integer >= 3 (a rope pair and a latent dim), got {kv_elements!r}")
     if not strategy.any_pair_count:
-        raise ValueError(f"kv_elements: rope={strategy.name!r} keeps r pairs per KV head; a budget split into any "
-                         "number of rope pairs needs a strategy with one shared rope key (rope='rorope')")
+        raise ValueError(
+            f"kv_elements: rope={strategy.name!r} keeps r pairs per KV head; a budget split into any "
+            "number of rope pairs needs a strategy with one shared rope key (rope='rorope')"
+        )
     if svd != "joint":
         raise ValueError(f"kv_elements needs svd='joint' (one latent beside the rope key), got svd={svd!r}")
     if d_kv is not None:
         raise ValueError(f"d_kv={d_kv} and kv_elements={kv_elements} both size the latent; give one")
     if allocation not in ("uniform", "measured"):
-        raise ValueError(f"allocation={allocation!r}: a KV budget's latent is the same in every layer ('uniform') or "
-                         "its total is spread by the model's measured loss ('measured')")
+        raise ValueError(
+            f"allocation={allocation!r}: a KV budget's latent is the same in every layer ('uniform') or "
+            "its total is spread by the model's measured loss ('measured')"
+        )
     allowed = budget_pair_range(shape, kv_elements)
     if not allowed:
         raise ValueError(f"kv_elements={kv_elements} leaves no split into rope pairs and a latent for this model")
     if rope_pairs is not None and (isinstance(rope_pairs, bool) or rope_pairs not in allowed):
-        raise ValueError(f"rope_pairs={rope_pairs!r}: under kv_elements={kv_elements} a layer keeps "
-                         f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched)")
+        raise ValueError(
+            f"rope_pairs={rope_pairs!r}: under kv_elements={kv_elements} a layer keeps "
+            f"{allowed.start}..{allowed.stop - 1} rotated pairs (null: searched)"
+        )
 
 
 def _check_key_weight(key_weight, svd: str, kv_elements) -> float | None:
     if key_weight is None:
         if kv_elements is None:
-            raise ValueError("key_weight=null (searched) needs kv_elements: the search scores a KV budget's "
-                             "conversions on a selection sample")
+            raise ValueError(
+                "key_weight=null (searched) needs kv_elements: the search scores a KV budget's "
+                "conversions on a selection sample"
+            )
         return None
     if isinstance(key_weight, bool) or not isinstance(key_weight, (int, float)) or not key_weight > 0:
         raise ValueError(f"key_weight must be a positive number or null (searched), got {key_weight!r}")
     if key_weight != 1.0 and svd != "joint":
-        raise ValueError(f"key_weight={key_weight} weighs the NoPE keys against the values in one joint SVD; "
-                         f"svd={svd!r} has no such trade")
+        raise ValueError(
+            f"key_weight={key_weight} weighs the NoPE keys against the values in one joint SVD; "
+            f"svd={svd!r} has no such trade"
+        )
     return float(key_weight)
 
 

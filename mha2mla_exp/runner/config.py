@@ -18,11 +18,27 @@ from ..mla.lowrank import FACTOR_SPLIT
 from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..schema.identity import digest, evaluation_identity, setting_identity, trained_identity
-from ..schema.sections import (DataConfig, EvalConfig, KVQuantConfig, ModelConfig, RopeConfig, RunConfig, ShapeConfig,
-                               SizesConfig, SvdConfig, TrainConfig)
+from ..schema.sections import (
+    DataConfig,
+    EvalConfig,
+    KVQuantConfig,
+    ModelConfig,
+    RopeConfig,
+    RunConfig,
+    ShapeConfig,
+    SizesConfig,
+    SvdConfig,
+    TrainConfig,
+)
 from ..train.budget import plan_budget
-from ..train.memory import (HostEstimate, LaunchCheck, MemoryEstimate, estimate_host_memory, estimate_memory,
-                            processes_needed)
+from ..train.memory import (
+    HostEstimate,
+    LaunchCheck,
+    MemoryEstimate,
+    estimate_host_memory,
+    estimate_memory,
+    processes_needed,
+)
 from ..train.objectives import build_objective
 from ..train.precision import Precision, cpu_bf16_pays, precision_for
 from ..train.schedule import Schedule, schedule_for
@@ -34,21 +50,21 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunPlan:
-    variant: str                 # original | finetuned_full_attention | mla
+    variant: str  # original | finetuned_full_attention | mla
     shape: ModelShape
-    spec: MLASpec | None         # None: the model is not converted
+    spec: MLASpec | None  # None: the model is not converted
     fine_tune: bool
-    distill: bool                # layer-wise distillation before the fine-tune (converted models only)
-    kv_quant: KVQuant | None     # the evaluation's KV-cache quantization, or None
-    device_type: str             # cuda | cpu: part of the identity (numbers differ between devices)
+    distill: bool  # layer-wise distillation before the fine-tune (converted models only)
+    kv_quant: KVQuant | None  # the evaluation's KV-cache quantization, or None
+    device_type: str  # cuda | cpu: part of the identity (numbers differ between devices)
     precision: Precision | None  # the training precision; None when nothing is trained
-    eval_dtype: str              # the dtype the evaluation runs in
-    eval_dtype_reason: str       # why (`fastest` is decided by a measurement on CPU)
-    trained_hash: str            # the trained (or converted) model's identity
+    eval_dtype: str  # the dtype the evaluation runs in
+    eval_dtype_reason: str  # why (`fastest` is decided by a measurement on CPU)
+    trained_hash: str  # the trained (or converted) model's identity
     conversion_hash: str | None  # the untrained conversion's identity: recipes trained from it share it
-    eval_hash: str               # this evaluation's identity
-    setting_hash: str            # the trained and evaluation identities but the seed: one row of a table
-    config: RunConfig            # the typed config, with what the entry resolves (device, precision, eval dtype)
+    eval_hash: str  # this evaluation's identity
+    setting_hash: str  # the trained and evaluation identities but the seed: one row of a table
+    config: RunConfig  # the typed config, with what the entry resolves (device, precision, eval dtype)
     notes: tuple[str, ...] = ()  # what validation could not check (offline), said before heavy work
     memory: MemoryEstimate | None = None  # per-GPU memory of the fine-tune, where train.gpu_memory_gb asks
     host_memory: HostEstimate | None = None  # host memory per process of the same plan
@@ -106,8 +122,10 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
     shape = _model_shape(model, saved)
     saved_mla = getattr(saved, "model_type", None) == "mha2mla"
     if saved_mla and config.variant != "mla":
-        raise ConfigError(f"variant: {model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
-                          "(its rope/svd settings are read from its config.json, not converted again)")
+        raise ConfigError(
+            f"variant: {model.id!r} holds a saved MLA conversion; evaluate it with variant=mla "
+            "(its rope/svd settings are read from its config.json, not converted again)"
+        )
     # a dry run plans for the machine that will run it: what this one lacks to read the data is said, not fatal
     blocked = [] if config.dry_run else None
     _check_source("data", lambda data: check_data_config(data, missing_access=blocked), config.data)
@@ -129,8 +147,10 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
     kv_quant = _kv_quantization(config.kv_quant, converted=config.variant == "mla")
     fine_tune = train.enabled and config.variant != "original"
     if train.data is not None and not fine_tune:
-        raise ConfigError("train.data: recovery text is set, but this run fine-tunes nothing "
-                          f"(train.enabled={train.enabled}, variant={config.variant})")
+        raise ConfigError(
+            "train.data: recovery text is set, but this run fine-tunes nothing "
+            f"(train.enabled={train.enabled}, variant={config.variant})"
+        )
     distill = spec is not None and config.distill.enabled
     if config.variant == "finetuned_full_attention" and not train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
@@ -141,19 +161,35 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
         schedule = _check_train(train, model)
         try:
             objective = build_objective(config.objective)
-            precision = precision_for(train.precision, device_type, hidden_size=shape.hidden_size,
-                                      intermediate_size=intermediate_size(model, shape), bf16_pays=bf16_pays)
+            precision = precision_for(
+                train.precision,
+                device_type,
+                hidden_size=shape.hidden_size,
+                intermediate_size=intermediate_size(model, shape),
+                bf16_pays=bf16_pays,
+            )
         except ValueError as err:
             raise ConfigError(str(err)) from err
         if objective.needs_teacher and config.variant != "mla":
-            raise ConfigError(f"objective.name: {objective.name!r} distils the original model into its conversion; "
-                              f"variant={config.variant!r} has no conversion")
-        memory, host_memory, launch = _check_memory(train, model, shape, precision, teacher=objective.needs_teacher,
-                                                    device_type=device_type, dry_run=config.dry_run, refused=refused)
+            raise ConfigError(
+                f"objective.name: {objective.name!r} distils the original model into its conversion; "
+                f"variant={config.variant!r} has no conversion"
+            )
+        memory, host_memory, launch = _check_memory(
+            train,
+            model,
+            shape,
+            precision,
+            teacher=objective.needs_teacher,
+            device_type=device_type,
+            dry_run=config.dry_run,
+            refused=refused,
+        )
     if config.data.source == "hub":
         notes += _probe(lambda: probe_hub_datasets(config.data.mixture), "data")
     eval_dtype, eval_dtype_reason = resolve_eval_dtype(
-        config.eval.dtype, device_type, bf16_pays=lambda: bf16_pays(shape.hidden_size, intermediate_size(model, shape)))
+        config.eval.dtype, device_type, bf16_pays=lambda: bf16_pays(shape.hidden_size, intermediate_size(model, shape))
+    )
 
     # what this machine resolved is written into the config: the run's config.yaml says what ran
     config.device = device_type if config.device == "auto" else config.device
@@ -165,21 +201,49 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
         train.precision = precision.mode
         train.global_batch_rows = global_batch_rows(train)
     calibrates = spec is not None and spec.needs_calibration
-    whitened = (FACTOR_SPLIT if (fine_tune or distill) and spec is not None and spec.svd != "none"
-                and config.svd.init != "weight" else None)  # how whitened factors are split changes the training
-    trained = trained_identity(config, converts=spec is not None, trains=fine_tune, distills=distill,
-                               calibrates=calibrates, whitened_factors=whitened)
-    conversion = trained_identity(config, converts=True, trains=False, distills=False, calibrates=calibrates,
-                                  whitened_factors=whitened) if spec is not None else None
+    whitened = (
+        FACTOR_SPLIT
+        if (fine_tune or distill) and spec is not None and spec.svd != "none" and config.svd.init != "weight"
+        else None
+    )  # how whitened factors are split changes the training
+    trained = trained_identity(
+        config,
+        converts=spec is not None,
+        trains=fine_tune,
+        distills=distill,
+        calibrates=calibrates,
+        whitened_factors=whitened,
+    )
+    conversion = (
+        trained_identity(
+            config, converts=True, trains=False, distills=False, calibrates=calibrates, whitened_factors=whitened
+        )
+        if spec is not None
+        else None
+    )
     evaluation = evaluation_identity(config)
     return RunPlan(
-        variant=config.variant, shape=shape, spec=spec, fine_tune=fine_tune, distill=distill, kv_quant=kv_quant,
-        device_type=device_type, precision=precision, eval_dtype=eval_dtype, eval_dtype_reason=eval_dtype_reason,
+        variant=config.variant,
+        shape=shape,
+        spec=spec,
+        fine_tune=fine_tune,
+        distill=distill,
+        kv_quant=kv_quant,
+        device_type=device_type,
+        precision=precision,
+        eval_dtype=eval_dtype,
+        eval_dtype_reason=eval_dtype_reason,
         trained_hash=digest(trained),
         conversion_hash=digest(conversion) if conversion else None,
-        eval_hash=digest(evaluation), setting_hash=digest(setting_identity(trained, evaluation)), config=config,
+        eval_hash=digest(evaluation),
+        setting_hash=digest(setting_identity(trained, evaluation)),
+        config=config,
         notes=tuple(notes),
-        memory=memory, host_memory=host_memory, launch=launch, schedule=schedule, blocked=tuple(blocked or ()),
+        memory=memory,
+        host_memory=host_memory,
+        launch=launch,
+        schedule=schedule,
+        blocked=tuple(blocked or ()),
         refused=tuple(refused or ()),
     )
 
@@ -188,11 +252,17 @@ def _model_shape(model: ModelConfig, saved) -> ModelShape:
     """The shape facts the conversion and the memory plan read: the config's, else the local folder's config.json."""
     facts = model.shape if model.shape is not None or saved is None else ShapeConfig(**shape_of(saved))
     if facts is None:
-        raise ConfigError(f"model.shape: no shape facts for model {model.name!r}: give model.shape, or a local "
-                          "folder whose config.json holds them")
-    return ModelShape(num_layers=int(facts.num_layers), hidden_size=int(facts.hidden_size),
-                      num_heads=int(facts.num_heads), num_kv_heads=int(facts.num_kv_heads),
-                      head_dim=int(facts.head_dim))
+        raise ConfigError(
+            f"model.shape: no shape facts for model {model.name!r}: give model.shape, or a local "
+            "folder whose config.json holds them"
+        )
+    return ModelShape(
+        num_layers=int(facts.num_layers),
+        hidden_size=int(facts.hidden_size),
+        num_heads=int(facts.num_heads),
+        num_kv_heads=int(facts.num_kv_heads),
+        head_dim=int(facts.head_dim),
+    )
 
 
 def _conversion_spec(rope: RopeConfig, svd: SvdConfig, shape: ModelShape) -> MLASpec:
@@ -201,9 +271,19 @@ def _conversion_spec(rope: RopeConfig, svd: SvdConfig, shape: ModelShape) -> MLA
     r = rope.r if rope.r is not None else default_r(rope.strategy, shape.head_dim)
     try:
         return MLASpec.create(
-            shape, rope=rope.strategy, r=r, svd=svd.method, d_kv=svd.d_kv, score=rope.score, sigma=svd.sigma,
-            init=svd.init, allocation=svd.allocation, kv_elements=svd.kv_elements, rope_pairs=svd.rope_pairs,
-            nope_keys=rope.nope_keys, key_weight=svd.key_weight,
+            shape,
+            rope=rope.strategy,
+            r=r,
+            svd=svd.method,
+            d_kv=svd.d_kv,
+            score=rope.score,
+            sigma=svd.sigma,
+            init=svd.init,
+            allocation=svd.allocation,
+            kv_elements=svd.kv_elements,
+            rope_pairs=svd.rope_pairs,
+            nope_keys=rope.nope_keys,
+            key_weight=svd.key_weight,
         )
     except ValueError as err:
         raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -258,9 +338,17 @@ def intermediate_size(model: ModelConfig, shape: ModelShape) -> int:
     return int(sizes.intermediate_size or model.intermediate_size or 4 * shape.hidden_size)
 
 
-def _check_memory(train: TrainConfig, model: ModelConfig, shape: ModelShape, precision: Precision, *, teacher: bool,
-                  device_type: str, dry_run: bool, refused: list | None
-                  ) -> tuple[MemoryEstimate | None, HostEstimate | None, LaunchCheck | None]:
+def _check_memory(
+    train: TrainConfig,
+    model: ModelConfig,
+    shape: ModelShape,
+    precision: Precision,
+    *,
+    teacher: bool,
+    device_type: str,
+    dry_run: bool,
+    refused: list | None,
+) -> tuple[MemoryEstimate | None, HostEstimate | None, LaunchCheck | None]:
     """The fine-tune's per-GPU and host memory where the train config states the GPU's (`train.gpu_memory_gb`),
     for the processes the plan is laid out for (`train.gpus`, or this launch's where it has several). A plan above
     the GPU's memory is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere); so is a launch
@@ -268,45 +356,69 @@ def _check_memory(train: TrainConfig, model: ModelConfig, shape: ModelShape, pre
     trains unsharded): a real run raises, a dry run says so in `refused`."""
     strategy = train.strategy
     if strategy == "fsdp" and precision.separate_master_copy:
-        raise ConfigError(f"train.strategy: fsdp shards the fp32 weights themselves; {precision.mode} keeps a "
-                          "separate master copy it cannot shard (use bf16-autocast or fp32)")
+        raise ConfigError(
+            f"train.strategy: fsdp shards the fp32 weights themselves; {precision.mode} keeps a "
+            "separate master copy it cannot shard (use bf16-autocast or fp32)"
+        )
     if train.gpu_memory_gb is None:
         return None, None, None
     sizes = model.sizes or SizesConfig()
     vocab_size = sizes.vocab_size or model.vocab_size
     if vocab_size is None:
-        raise ConfigError(f"model.sizes.vocab_size: the memory estimate (train.gpu_memory_gb) needs model "
-                          f"{model.name!r}'s vocabulary size")
+        raise ConfigError(
+            f"model.sizes.vocab_size: the memory estimate (train.gpu_memory_gb) needs model "
+            f"{model.name!r}'s vocabulary size"
+        )
     launched, limit = world_size(), float(train.gpu_memory_gb)
     planned = launched if launched > 1 else train.gpus
 
     def per_gpu(processes: int) -> MemoryEstimate:
         return estimate_memory(
-            num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=intermediate_size(model, shape),
-            vocab_size=int(vocab_size), tied_embeddings=sizes.tied_embeddings,
-            micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, processes=processes, strategy=strategy,
-            activation_checkpointing=train.activation_checkpointing, precision_mode=precision.mode,
-            teacher=teacher, fused_loss=train.fused_loss)
+            num_layers=shape.num_layers,
+            hidden_size=shape.hidden_size,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            intermediate_size=intermediate_size(model, shape),
+            vocab_size=int(vocab_size),
+            tied_embeddings=sizes.tied_embeddings,
+            micro_batch_size=train.micro_batch_size,
+            seq_len=train.seq_len,
+            processes=processes,
+            strategy=strategy,
+            activation_checkpointing=train.activation_checkpointing,
+            precision_mode=precision.mode,
+            teacher=teacher,
+            fused_loss=train.fused_loss,
+        )
 
     try:
         memory = per_gpu(planned)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     host = estimate_host_memory(parameters=memory.parameters, processes=planned, strategy=strategy)
-    launch = LaunchCheck(planned=planned, launched=launched, needed=processes_needed(per_gpu, limit),
-                         on_launch=per_gpu(launched), limit_gb=limit)
+    launch = LaunchCheck(
+        planned=planned,
+        launched=launched,
+        needed=processes_needed(per_gpu, limit),
+        on_launch=per_gpu(launched),
+        limit_gb=limit,
+    )
     if device_type != "cuda" and not dry_run:
         return memory, host, launch
     if memory.total_gb > limit:
-        raise ConfigError(f"train.gpu_memory_gb: the fine-tune needs about {memory.describe()}, above the "
-                          f"{train.gpu_memory_gb} GB stated; use more GPUs (train.gpus), train.strategy=fsdp, "
-                          "train.activation_checkpointing=true or a smaller train.micro_batch_size")
+        raise ConfigError(
+            f"train.gpu_memory_gb: the fine-tune needs about {memory.describe()}, above the "
+            f"{train.gpu_memory_gb} GB stated; use more GPUs (train.gpus), train.strategy=fsdp, "
+            "train.activation_checkpointing=true or a smaller train.micro_batch_size"
+        )
     if not launch.fits:
-        why = (f"train.gpus: this launch has {launched} process(es) but the plan is laid out for {planned} "
-               f"({strategy}); on {launched} the fine-tune needs about {launch.on_launch.describe()}, above the "
-               f"{limit:g} GB of train.gpu_memory_gb. Launch {planned} processes: torchrun --nproc_per_node {planned} "
-               f"(on SLURM: hydra.launcher.tasks_per_node={planned} hydra.launcher.gpus_per_node={planned})")
+        why = (
+            f"train.gpus: this launch has {launched} process(es) but the plan is laid out for {planned} "
+            f"({strategy}); on {launched} the fine-tune needs about {launch.on_launch.describe()}, above the "
+            f"{limit:g} GB of train.gpu_memory_gb. Launch {planned} processes: torchrun --nproc_per_node {planned} "
+            f"(on SLURM: hydra.launcher.tasks_per_node={planned} hydra.launcher.gpus_per_node={planned})"
+        )
         if refused is None:
             raise ConfigError(why)
         refused.append(why)
@@ -333,17 +445,24 @@ def _check_train(train: TrainConfig, model: ModelConfig) -> Schedule:
     if wanted is not None and global_batch_rows(train) != wanted:
         world = world_size()
         per_process = train.micro_batch_size * world
-        hint = (f"set train.grad_accum={wanted // per_process}" if wanted % per_process == 0 else
-                f"choose micro_batch_size x processes dividing {wanted}")
-        raise ConfigError(f"train.grad_accum: micro_batch_size {train.micro_batch_size} x grad_accum "
-                          f"{train.grad_accum} x {world} processes = {global_batch_rows(train)} rows per step, but "
-                          f"global_batch_rows is {wanted}: {hint}")
+        hint = (
+            f"set train.grad_accum={wanted // per_process}"
+            if wanted % per_process == 0
+            else f"choose micro_batch_size x processes dividing {wanted}"
+        )
+        raise ConfigError(
+            f"train.grad_accum: micro_batch_size {train.micro_batch_size} x grad_accum "
+            f"{train.grad_accum} x {world} processes = {global_batch_rows(train)} rows per step, but "
+            f"global_batch_rows is {wanted}: {hint}"
+        )
     if train.grad_accum <= 0:  # after the global batch: train=paper derives it, and that check says why it is 0
         raise ConfigError(f"train.grad_accum: must be positive, got {train.grad_accum}")
     context = model.shape.context_length if model.shape is not None else None
     if context and train.seq_len > context:
-        raise ConfigError(f"train.seq_len: {train.seq_len} is longer than model {model.name!r}'s context of "
-                          f"{context} tokens (model.shape.context_length)")
+        raise ConfigError(
+            f"train.seq_len: {train.seq_len} is longer than model {model.name!r}'s context of "
+            f"{context} tokens (model.shape.context_length)"
+        )
     try:
         budget = plan_budget(train, pretrain_tokens=model.pretrain_tokens, num_processes=world_size())
         return schedule_for(train, budget.steps)
@@ -355,8 +474,10 @@ def _check_architecture(model: ModelConfig) -> list[str]:
     """The model's architecture must be one the converter handles; read from its config.json, no weights."""
     model_type, notes = probe_architecture(model)
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model.id: {model.id!r} is a {model_type!r} model; the MLA conversion handles "
-                          f"Llama-family causal LMs ({', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ConfigError(
+            f"model.id: {model.id!r} is a {model_type!r} model; the MLA conversion handles "
+            f"Llama-family causal LMs ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     return notes
 
 
@@ -391,15 +512,28 @@ def _check_eval(evaluation: EvalConfig, model: ModelConfig) -> None:
     window = model.finetune_length or (model.shape.context_length if model.shape is not None else None)
     long_context = evaluation.long_context
     if long_context.enabled and window and longest(long_context) > window:
-        raise ConfigError(f"eval.long_context: its longest sequence ({longest(long_context)} tokens: lengths / "
-                          f"ppl_lengths) exceeds the evaluation window of {window} (model.finetune_length)")
+        raise ConfigError(
+            f"eval.long_context: its longest sequence ({longest(long_context)} tokens: lengths / "
+            f"ppl_lengths) exceeds the evaluation window of {window} (model.finetune_length)"
+        )
 
 
-_SPEC_FIELDS = {"rope": "rope.strategy", "svd": "svd.method", "score": "rope.score", "sigma": "svd.sigma",
-                "init": "svd.init", "allocation": "svd.allocation", "kv_elements": "svd.kv_elements",
-                "rope_pairs": "svd.rope_pairs", "nope_keys": "rope.nope_keys",
-                "key_weight": "svd.key_weight",
-                "r": "rope.r", "d_kv": "svd.d_kv", "head_dim": "model.shape", "num_heads": "model.shape"}
+_SPEC_FIELDS = {
+    "rope": "rope.strategy",
+    "svd": "svd.method",
+    "score": "rope.score",
+    "sigma": "svd.sigma",
+    "init": "svd.init",
+    "allocation": "svd.allocation",
+    "kv_elements": "svd.kv_elements",
+    "rope_pairs": "svd.rope_pairs",
+    "nope_keys": "rope.nope_keys",
+    "key_weight": "svd.key_weight",
+    "r": "rope.r",
+    "d_kv": "svd.d_kv",
+    "head_dim": "model.shape",
+    "num_heads": "model.shape",
+}
 
 
 def _field_for(message: str) -> str:

@@ -7,7 +7,6 @@ import os
 import tempfile
 from pathlib import Path
 
-
 from ..machine import cpu_model, machine_info  # noqa: F401  (re-exported: the record's machine block)
 
 FINAL_STATUSES = ("ok", "diverged")  # a relaunch skips these; failed or interrupted runs resume
@@ -64,14 +63,18 @@ class MetricsLog:
 
 def headline(record: dict) -> str:
     """The numbers a run exists for, in a few lines (printed at the end of the main job)."""
-    lines = [f"  model: {record['model']['name']} ({record['variant']}), {record['model'].get('params', 0):,} parameters"]
+    lines = [
+        f"  model: {record['model']['name']} ({record['variant']}), {record['model'].get('params', 0):,} parameters"
+    ]
     train = record.get("train") or {}
     probes = train.get("heldout_ppl_probe") or {}
     if probes:
         steps = sorted(probes, key=int)
-        lines.append(f"  held-out ppl (probe rows): {probes[steps[0]]:.1f} before fine-tuning -> "
-                     f"{probes[steps[-1]]:.1f} after {train['tokens']:,} tokens "
-                     f"({train['seconds']:.0f} s, {train['tokens_per_s']:.0f} tok/s, {train['precision']['mode']})")
+        lines.append(
+            f"  held-out ppl (probe rows): {probes[steps[0]]:.1f} before fine-tuning -> "
+            f"{probes[steps[-1]]:.1f} after {train['tokens']:,} tokens "
+            f"({train['seconds']:.0f} s, {train['tokens_per_s']:.0f} tok/s, {train['precision']['mode']})"
+        )
     ppl = ((record.get("eval") or {}).get("perplexity") or {}).get("heldout")
     if ppl is not None:
         dtype = record["eval"].get("meta", {}).get("perplexity_dtype", "float32")
@@ -80,13 +83,18 @@ def headline(record: dict) -> str:
     if "avg" in cs:
         se = commonsense_avg_se(record["eval"])
         n = cs.get("limit")
-        lines.append(f"  commonsense Avg: {100 * cs['avg']:.1f} +- {196 * se:.1f} (95% CI, binomial; "
-                     f"{n if n else 'all'} docs per task)" if se is not None else
-                     f"  commonsense Avg: {100 * cs['avg']:.1f}")
+        lines.append(
+            f"  commonsense Avg: {100 * cs['avg']:.1f} +- {196 * se:.1f} (95% CI, binomial; "
+            f"{n if n else 'all'} docs per task)"
+            if se is not None
+            else f"  commonsense Avg: {100 * cs['avg']:.1f}"
+        )
     kv = record.get("kv") or {}
     if kv.get("bytes_per_token_measured"):
-        lines.append(f"  KV cache: {kv['bytes_per_token_measured']:,.0f} B/token measured vs "
-                     f"{kv['bytes_per_token_mha']:,.0f} for MHA ({kv['mem_change_pct']:+.2f} %)")
+        lines.append(
+            f"  KV cache: {kv['bytes_per_token_measured']:,.0f} B/token measured vs "
+            f"{kv['bytes_per_token_mha']:,.0f} for MHA ({kv['mem_change_pct']:+.2f} %)"
+        )
     return "\n".join(lines)
 
 
@@ -94,7 +102,7 @@ def commonsense_avg_se(eval_block: dict) -> float | None:
     """Binomial standard error of the Avg from a record's eval block (aggregate/paired.binomial_se)."""
     from ..aggregate.paired import binomial_se, commonsense_spec
 
-    scores = (eval_block.get("commonsense") or {})
+    scores = eval_block.get("commonsense") or {}
     n_docs = ((eval_block.get("meta") or {}).get("commonsense") or {}).get("n_docs") or {}
     return binomial_se(scores, n_docs, commonsense_spec()).get("avg")
 

@@ -24,16 +24,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..mla.lowrank import FACTOR_SPLIT
 from ..data import prepare_data
+from ..mla.lowrank import FACTOR_SPLIT
 from ..models import load_tokenizer
+from ..schema.sections import DistributedConfig, RunConfig
 from ..train import FineTuneDiverged, finetune, remove_checkpoint, sharding
 from ..train.recipe import note_peak_rss
 from . import stages
-from ..schema.sections import DistributedConfig, RunConfig
 from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, run_config, validate
-from .ranks import (SLOW_EVAL_ENV, long_wait_group, process_state, same_on_every_rank, shared_bf16_verdict,
-                    wait_for_main_process)
+from .ranks import (
+    SLOW_EVAL_ENV,
+    long_wait_group,
+    process_state,
+    same_on_every_rank,
+    shared_bf16_verdict,
+    wait_for_main_process,
+)
 from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
 
@@ -95,15 +101,20 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
         "trained_hash": plan.trained_hash,
         "eval_hash": plan.eval_hash,
         "setting_hash": plan.setting_hash,
-        "model": {"name": config.model.name, "paper_name": config.model.paper_name,
-                  "pretrain_tokens": config.model.pretrain_tokens},
+        "model": {
+            "name": config.model.name,
+            "paper_name": config.model.paper_name,
+            "pretrain_tokens": config.model.pretrain_tokens,
+        },
         "variant": plan.table_variant,
         "mla": plan.spec.to_dict() if plan.spec else None,
         "kv_quant": plan.kv_quant.to_dict() if plan.kv_quant else None,
         "data": dict(data.stats),
         "train_data": dict(train_data.stats) if train_data is not None else None,
         "trained_model": str(trained.dir) if plan.trains else None,
-        "kv": None, "train": None, "eval": None,
+        "kv": None,
+        "train": None,
+        "eval": None,
         "timings": {},
         "machine": machine_info(dist.device, processes=dist.num_processes),
         "placement": placement.to_record() | {"evaluating_processes": dist.num_processes},
@@ -117,8 +128,9 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
         write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
-        model = placement.place(_model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tracker,
-                                                      fail_at_step))
+        model = placement.place(
+            _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
+        )
         try:
             if main:
                 if plan.trains and trained.metrics_path.exists():
@@ -134,8 +146,10 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
     except TrainedModelBusy as err:
         record.update(status="deferred", error=str(err))
     except BaseException as err:
-        record.update(status="failed" if isinstance(err, Exception) else "interrupted",
-                      error="".join(traceback.format_exception_only(err)).strip())
+        record.update(
+            status="failed" if isinstance(err, Exception) else "interrupted",
+            error="".join(traceback.format_exception_only(err)).strip(),
+        )
         _finish(record, run_dir, started, tracker, main)
         raise
     _finish(record, run_dir, started, tracker, main)
@@ -170,8 +184,11 @@ def plan_run(cfg: DictConfig | RunConfig, dist, bf16_pays=None) -> RunPlan:
 
 def _has_work(plan: RunPlan) -> bool:
     trained = trained_model_for(plan)
-    return (trained.complete() or (trained.dir / "checkpoint" / "progress.json").exists()
-            or (run_dir_for(plan) / "results.json").exists())
+    return (
+        trained.complete()
+        or (trained.dir / "checkpoint" / "progress.json").exists()
+        or (run_dir_for(plan) / "results.json").exists()
+    )
 
 
 def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
@@ -183,12 +200,18 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
         lines.append(f"  trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})")
     if plan.fine_tune:
         from ..train import plan_budget
-        budget = plan_budget(config.train, pretrain_tokens=config.model.pretrain_tokens,
-                             num_processes=dist.num_processes)
-        lines.append(f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
-                     f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})")
-        lines.append(f"  step: {'chunked loss' if config.train.fused_loss else 'full logits'}, "
-                     f"{config.train.optimizer_impl} AdamW (train.fused_loss, train.optimizer_impl)")
+
+        budget = plan_budget(
+            config.train, pretrain_tokens=config.model.pretrain_tokens, num_processes=dist.num_processes
+        )
+        lines.append(
+            f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
+            f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})"
+        )
+        lines.append(
+            f"  step: {'chunked loss' if config.train.fused_loss else 'full logits'}, "
+            f"{config.train.optimizer_impl} AdamW (train.fused_loss, train.optimizer_impl)"
+        )
         lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(config.train.lr):g})")
         if plan.launch is not None:
             lines.append(f"  processes: {plan.launch.describe()}")
@@ -198,10 +221,13 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
             from ..train.memory import checkpoint_bytes_per_process
 
             lines.append(f"  host memory: {plan.host_memory.describe()}")
-            written = checkpoint_bytes_per_process(parameters=plan.memory.parameters, processes=plan.memory.processes,
-                                                   strategy=plan.memory.strategy)
-            lines.append(f"  checkpoint: {written / 1e9:.1f} GB from the busiest process every "
-                         f"{config.train.checkpoint_every} steps and at a stop signal")
+            written = checkpoint_bytes_per_process(
+                parameters=plan.memory.parameters, processes=plan.memory.processes, strategy=plan.memory.strategy
+            )
+            lines.append(
+                f"  checkpoint: {written / 1e9:.1f} GB from the busiest process every "
+                f"{config.train.checkpoint_every} steps and at a stop signal"
+            )
     corpus = config.train.data or config.data
     if plan.fine_tune and corpus.mixture:
         from ..data.sources import mixture_token_shares
@@ -215,8 +241,12 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
     if dist.is_main_process:
         print("\n".join(lines))
     status = "refused" if plan.refused else "blocked" if plan.blocked else "planned"
-    return {"status": status, "error": "; ".join(plan.refused + plan.blocked) or None,
-            "run_name": run_dir.name, "run_dir": str(run_dir)}
+    return {
+        "status": status,
+        "error": "; ".join(plan.refused + plan.blocked) or None,
+        "run_name": run_dir.name,
+        "run_dir": str(run_dir),
+    }
 
 
 def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:
@@ -239,16 +269,22 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
         record["model"]["params_original"] = stages.count_parameters(model)
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        model = stages.convert(plan, model, stages.calibration_batches(plan, data),
-                               stages.selection_batches(plan, data))
+        model = stages.convert(
+            plan, model, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
+        )
         timings["convert_s"] = round(time.perf_counter() - t, 3)
         _describe_model(record, plan, model)
         return model
 
-    if plan.config.trained_model_busy == "defer" and not trained.complete() and \
-            same_on_every_rank(dist.is_main_process and _made_elsewhere(trained), dist):
-        raise TrainedModelBusy(f"another process is making {trained.dir.name}; relaunch to evaluate it once it "
-                               "is kept (trained_model_busy=defer)")
+    if (
+        plan.config.trained_model_busy == "defer"
+        and not trained.complete()
+        and same_on_every_rank(dist.is_main_process and _made_elsewhere(trained), dist)
+    ):
+        raise TrainedModelBusy(
+            f"another process is making {trained.dir.name}; relaunch to evaluate it once it "
+            "is kept (trained_model_busy=defer)"
+        )
     lock = trained.lock() if dist.is_main_process else contextlib.nullcontext()
     with lock:  # two evaluations of one trained model (a parallel sweep) never train it twice
         info = same_on_every_rank(_kept_info(trained), dist)
@@ -260,7 +296,7 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
             timings["load_s"] = round(time.perf_counter() - t, 3)
             record.update({k: v for k, v in info.items() if k in ("train", "distill", "rope_pairs")})
             record["model"].update(info["model"])
-            _describe_model(record, plan, model)   # the conversion's facts live in the kept model's config
+            _describe_model(record, plan, model)  # the conversion's facts live in the kept model's config
             _stage_seconds(record)
             record["reused_trained_model"] = True
             log.info("reusing the kept trained model %s", trained.dir)
@@ -269,9 +305,14 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
             model = _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step)
         except FineTuneDiverged as err:  # a result of the trained model: its other evaluations need not retry it
             if dist.is_main_process:
-                write_json_atomic(trained.dir / "trained.json", {
-                    "status": "diverged", "trained_hash": plan.trained_hash,
-                    "train": {"diverged_at_step": err.step, "loss": err.loss}})
+                write_json_atomic(
+                    trained.dir / "trained.json",
+                    {
+                        "status": "diverged",
+                        "trained_hash": plan.trained_hash,
+                        "train": {"diverged_at_step": err.step, "loss": err.loss},
+                    },
+                )
             raise
     del model  # the training copy: each process loads the kept model instead
     dist.wait_for_everyone()  # the main process has saved it
@@ -318,8 +359,11 @@ def _converted(plan, tokenizer, data, record, dist):
     timings = record["timings"]
     t = time.perf_counter()
     config = plan.config
-    kept = TrainedModel(config.results_dir, describe_conversion(plan), plan.conversion_hash) \
-        if plan.conversion_hash else None
+    kept = (
+        TrainedModel(config.results_dir, describe_conversion(plan), plan.conversion_hash)
+        if plan.conversion_hash
+        else None
+    )
     from ..train.objectives import build_objective
 
     needs_teacher = build_objective(config.objective).needs_teacher
@@ -340,14 +384,24 @@ def _converted(plan, tokenizer, data, record, dist):
         record["model"]["params_original"] = kept.info()["model"]["params_original"]
         record["reused_conversion"] = str(kept.dir)
     elif holds_weights:
-        model = stages.convert(plan, original, stages.calibration_batches(plan, data),
-                               stages.selection_batches(plan, data))
+        model = stages.convert(
+            plan, original, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
+        )
         if kept is not None and dist.is_main_process:
             with kept.lock():
-                kept.save(model, tokenizer, {"model": {"params_original": record["model"]["params_original"],
-                                                       "params": stages.count_parameters(model)},
-                                            "rope_pairs": model.config.rope_pairs, "status": "ok",
-                                            "conversion_hash": plan.conversion_hash})
+                kept.save(
+                    model,
+                    tokenizer,
+                    {
+                        "model": {
+                            "params_original": record["model"]["params_original"],
+                            "params": stages.count_parameters(model),
+                        },
+                        "rope_pairs": model.config.rope_pairs,
+                        "status": "ok",
+                        "conversion_hash": plan.conversion_hash,
+                    },
+                )
     if from_main:
         _wait_for_the_main_process_to_convert(config.distributed, dist)
         model_config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
@@ -397,16 +451,30 @@ def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_
             tracker.log(step_record)
 
         model, record["train"] = finetune(
-            model, rows, config.train, trained.dir, precision=plan.precision, seed=config.seed, objective=objective,
-            teacher=teacher, pretrain_tokens=config.model.pretrain_tokens, on_log=on_log,
-            probe=stages.heldout_probe(plan, data), fail_at_step=fail_at_step, device=dist.device,
+            model,
+            rows,
+            config.train,
+            trained.dir,
+            precision=plan.precision,
+            seed=config.seed,
+            objective=objective,
+            teacher=teacher,
+            pretrain_tokens=config.model.pretrain_tokens,
+            on_log=on_log,
+            probe=stages.heldout_probe(plan, data),
+            fail_at_step=fail_at_step,
+            device=dist.device,
         )
         _stage_seconds(record)
         teacher = None
     original = None
     if dist.is_main_process:
-        trained.save(model, tokenizer, {k: record.get(k) for k in ("model", "train", "distill", "rope_pairs")}
-                     | {"status": "ok", "trained_hash": plan.trained_hash})
+        trained.save(
+            model,
+            tokenizer,
+            {k: record.get(k) for k in ("model", "train", "distill", "rope_pairs")}
+            | {"status": "ok", "trained_hash": plan.trained_hash},
+        )
         remove_checkpoint(trained.dir)  # the weights are kept, the resume point is no longer needed
     return model
 
@@ -435,9 +503,16 @@ def _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, di
     record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the weights' dtype
     record["eval_dtype_reason"] = plan.eval_dtype_reason
     record["kv"] = stages.measure_kv(plan, model, data)
-    record["eval"] = stages.evaluate(plan, model, tokenizer, data, run_dir if dist.is_main_process else None,
-                                     also=also, where=placement,
-                                     process_group=long_wait_group(dist, plan.config.distributed.eval_wait_s))
+    record["eval"] = stages.evaluate(
+        plan,
+        model,
+        tokenizer,
+        data,
+        run_dir if dist.is_main_process else None,
+        also=also,
+        where=placement,
+        process_group=long_wait_group(dist, plan.config.distributed.eval_wait_s),
+    )
     if dist.is_main_process:
         time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
@@ -463,9 +538,16 @@ class _Tracker:
         import wandb
 
         self.run = wandb.init(
-            project=settings.project, entity=settings.entity, group=settings.group, name=run_dir.name,
-            id=hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16], resume="allow", mode=mode,
-            dir=str(run_dir), config=dataclasses.asdict(config), reinit="finish_previous",
+            project=settings.project,
+            entity=settings.entity,
+            group=settings.group,
+            name=run_dir.name,
+            id=hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16],
+            resume="allow",
+            mode=mode,
+            dir=str(run_dir),
+            config=dataclasses.asdict(config),
+            reinit="finish_previous",
         )
 
     @classmethod

@@ -102,8 +102,16 @@ def selection_batches(plan: RunPlan, data) -> list[torch.Tensor] | None:
     from ..data import calibration_batches as sample
 
     s = plan.config.svd.selection
-    return list(sample(data, n=s.num_sequences, seq_len=s.seq_len, batch_size=s.batch_size,
-                       seed=plan.config.seed + 2, stream_offset=stream_offsets(plan)["selection"]))
+    return list(
+        sample(
+            data,
+            n=s.num_sequences,
+            seq_len=s.seq_len,
+            batch_size=s.batch_size,
+            seed=plan.config.seed + 2,
+            stream_offset=stream_offsets(plan)["selection"],
+        )
+    )
 
 
 def convert(plan: RunPlan, model, calibration, selection=None):
@@ -121,8 +129,16 @@ def distill(plan: RunPlan, teacher, student, data) -> dict:
 
     d = plan.config.distill
     # a different seed (a finite corpus) or offset (a stream) from the calibration sample: other text
-    batches = list(sample(data, n=d.sequences, seq_len=d.seq_len, batch_size=d.batch_size, seed=plan.config.seed + 1,
-                          stream_offset=stream_offsets(plan)["distill"]))
+    batches = list(
+        sample(
+            data,
+            n=d.sequences,
+            seq_len=d.seq_len,
+            batch_size=d.batch_size,
+            seed=plan.config.seed + 1,
+            stream_offset=stream_offsets(plan)["distill"],
+        )
+    )
     return distill_attention_layers(teacher, student, batches, epochs=d.epochs, lr=d.lr)
 
 
@@ -157,8 +173,10 @@ def measure_kv(plan: RunPlan, model, data) -> dict:
     meter.record(cache, batch_size=1)
     record = kv_record(model, kv_quant, meter)
     record["measured_at_tokens"] = tokens.shape[1]
-    record["note"] = (f"cache_nbytes() after one prefill of {tokens.shape[1]} held-out tokens (quantization "
-                      "scales, group padding and residual full-precision tokens included)")
+    record["note"] = (
+        f"cache_nbytes() after one prefill of {tokens.shape[1]} held-out tokens (quantization "
+        "scales, group padding and residual full-precision tokens included)"
+    )
     return record
 
 
@@ -173,13 +191,14 @@ def also_held_out(data, train_data) -> dict[str, tuple[torch.Tensor, torch.Tenso
     length = data.held_out.shape[1]
     rows = pack(train_data.stream("held_out"), length).rows
     if rows.shape[0] == 0:
-        raise ValueError(f"train.data.held_out_fraction: the held-out split of {train_data.name!r} has "
-                         f"{train_data.stream('held_out').numel()} tokens, not one row of {length} to score")
+        raise ValueError(
+            f"train.data.held_out_fraction: the held-out split of {train_data.name!r} has "
+            f"{train_data.stream('held_out').numel()} tokens, not one row of {length} to score"
+        )
     return {train_data.name: (rows, train_data.held_out_documents(length))}
 
 
-def evaluate(plan: RunPlan, model, tokenizer, data, run_dir=None, also=None, where=None,
-             process_group=None) -> dict:
+def evaluate(plan: RunPlan, model, tokenizer, data, run_dir=None, also=None, where=None, process_group=None) -> dict:
     """The record's `eval` block: held-out perplexity always, plus the suites the `eval` section enables (its
     dtype as the entry resolved it);
     their per-document results go into `run_dir` (evaluation.samples.SAMPLES_FILE). `also`: {name: rows} of
@@ -193,10 +212,15 @@ def evaluate(plan: RunPlan, model, tokenizer, data, run_dir=None, also=None, whe
     started = time.perf_counter()
     model.eval()
     result = run_evaluation(
-        model, tokenizer, plan.config.eval,
-        held_out=data.held_out, held_out_documents=data.held_out_documents(),
-        kv_quant=plan.kv_quant, window=plan.config.model.finetune_length,
-        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE, extra_held_out=also,
+        model,
+        tokenizer,
+        plan.config.eval,
+        held_out=data.held_out,
+        held_out_documents=data.held_out_documents(),
+        kv_quant=plan.kv_quant,
+        window=plan.config.model.finetune_length,
+        samples_path=None if run_dir is None else Path(run_dir) / SAMPLES_FILE,
+        extra_held_out=also,
         placement=where if where is not None else placement(plan.config.model, plan.eval_dtype, model.device),
         process_group=process_group,
     )

@@ -49,11 +49,23 @@ class SweepSummary(Callback):
         failed = [o for o in outcomes if o.get("status") in FAILED]
         deferred = [o for o in outcomes if o.get("status") == "deferred"]
         if failed or deferred:  # a sweep that is not complete must not exit as if it were
-            raise SweepFailed("; ".join(filter(None, [
-                f"{len(failed)} of {len(outcomes)} cells failed: "
-                + "; ".join(f"#{o['cell']} {o['overrides']}: {o.get('error')}" for o in failed) if failed else "",
-                f"{len(deferred)} cells deferred while another process made their trained model: relaunch the "
-                "same sweep to evaluate them (finished cells are skipped)" if deferred else ""])))
+            raise SweepFailed(
+                "; ".join(
+                    filter(
+                        None,
+                        [
+                            f"{len(failed)} of {len(outcomes)} cells failed: "
+                            + "; ".join(f"#{o['cell']} {o['overrides']}: {o.get('error')}" for o in failed)
+                            if failed
+                            else "",
+                            f"{len(deferred)} cells deferred while another process made their trained model: "
+                            "relaunch the same sweep to evaluate them (finished cells are skipped)"
+                            if deferred
+                            else "",
+                        ],
+                    )
+                )
+            )
 
 
 def summary_table(outcomes: list[dict]) -> str:

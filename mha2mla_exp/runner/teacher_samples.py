@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["published_shards"] = str(publish_shards(data, args.publish / "shards"))
     write_json_atomic(args.publish / "generation.json", summary)
     cost = summary["cost"]
-    print(f"[teacher_samples] {data.generation.count} samples, {cost['tokens']:,} tokens, "
-          f"{cost['wall_s']:.0f} s wall / {cost['cpu_s']:.0f} CPU-s on {', '.join(cost['machines'])}; "
-          f"published {len(shown)} in {args.publish}")
+    print(
+        f"[teacher_samples] {data.generation.count} samples, {cost['tokens']:,} tokens, "
+        f"{cost['wall_s']:.0f} s wall / {cost['cpu_s']:.0f} CPU-s on {', '.join(cost['machines'])}; "
+        f"published {len(shown)} in {args.publish}"
+    )
     return 0
 
 

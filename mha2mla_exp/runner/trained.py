@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             state = "complete" if (folder / COMPLETE).is_file() and weights.is_dir() else "incomplete/pruned"
             print(f"{folder.name}  {state}  {_size(folder) / 2**20:,.1f} MiB")
         return 0
-    chosen = folders if args.all else [f for f in folders if f.name in args.names
-                                       or f.name.rsplit("-", 1)[-1] in args.names]
+    chosen = (
+        folders if args.all else [f for f in folders if f.name in args.names or f.name.rsplit("-", 1)[-1] in args.names]
+    )
     if not chosen:
         parser.error("name the models to prune (see `list`), or --all")
     for folder in chosen:

@@ -13,8 +13,14 @@ from typing import Any, Callable
 Check = Callable[[Any], "str | None"]  # a value -> None when valid, else what it must be
 
 
-def setting(default: Any = MISSING, doc: str = "", *, check: Check | None = None, observer: bool = False,
-            factory: Callable[[], Any] | None = None) -> Any:
+def setting(
+    default: Any = MISSING,
+    doc: str = "",
+    *,
+    check: Check | None = None,
+    observer: bool = False,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
     """One option: its default, what it means, its constraint and whether it only observes the run."""
     metadata = {"doc": doc, "check": check, "observer": observer}
     if factory is not None:

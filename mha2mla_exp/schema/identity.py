@@ -57,8 +57,15 @@ def _device_type(device: str) -> str:
     return str(device).split(":")[0]
 
 
-def trained_identity(cfg: RunConfig, *, converts: bool, trains: bool, distills: bool, calibrates: bool,
-                     whitened_factors: str | None = None) -> dict:
+def trained_identity(
+    cfg: RunConfig,
+    *,
+    converts: bool,
+    trains: bool,
+    distills: bool,
+    calibrates: bool,
+    whitened_factors: str | None = None,
+) -> dict:
     """The settings that determine the trained (or converted) model's weights. `whitened_factors`: how
     activation-aware low-rank factors are split (mla.lowrank.FACTOR_SPLIT) where a training starts from them."""
     identity = {"schema": SCHEMA_VERSION}
@@ -117,8 +124,9 @@ def number_changing_defaults(cls: type = RunConfig, prefix: str = "") -> dict:
         if is_observer(f):
             continue
         path = f"{prefix}{f.name}"
-        section = next((c for c in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(c)),
-                       None)
+        section = next(
+            (c for c in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(c)), None
+        )
         if section is not None:
             out[path] = None if f.default is None else "section"
             out.update(number_changing_defaults(section, f"{path}."))

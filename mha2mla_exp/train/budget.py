@@ -18,7 +18,7 @@ from ..schema.sections import TrainConfig
 class Budget:
     tokens_per_step: int  # every row is packed (no padding), so every position counts
     steps: int
-    rows_per_step: int    # the global batch: micro-batch x accumulation x processes
+    rows_per_step: int  # the global batch: micro-batch x accumulation x processes
 
     @property
     def tokens(self) -> int:

@@ -24,18 +24,26 @@ def capture_attention_io(teacher: nn.Module, batches: list[torch.Tensor]) -> lis
     current: list[dict] = []
 
     def pre_hook(module, args, kwargs):
-        current.append({"hidden_states": kwargs["hidden_states"].detach(),
-                        "position_embeddings": tuple(t.detach() for t in kwargs["position_embeddings"]),
-                        "attention_mask": kwargs.get("attention_mask")})
+        current.append(
+            {
+                "hidden_states": kwargs["hidden_states"].detach(),
+                "position_embeddings": tuple(t.detach() for t in kwargs["position_embeddings"]),
+                "attention_mask": kwargs.get("attention_mask"),
+            }
+        )
 
     def post_hook(module, args, kwargs, output):
         current[-1]["target"] = output[0].detach()
 
     layers = [layer.self_attn for layer in teacher.model.layers]
-    hooks = [h for attn in layers for h in (
-        attn.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        attn.register_forward_hook(post_hook, with_kwargs=True),
-    )]
+    hooks = [
+        h
+        for attn in layers
+        for h in (
+            attn.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            attn.register_forward_hook(post_hook, with_kwargs=True),
+        )
+    ]
     device = next(teacher.parameters()).device
     was_training = teacher.training
     teacher.eval()
@@ -52,8 +60,11 @@ def capture_attention_io(teacher: nn.Module, batches: list[torch.Tensor]) -> lis
 
 
 def _rel_mse(attn: nn.Module, io: dict) -> torch.Tensor:
-    out, _ = attn(hidden_states=io["hidden_states"], position_embeddings=io["position_embeddings"],
-                  attention_mask=io["attention_mask"])
+    out, _ = attn(
+        hidden_states=io["hidden_states"],
+        position_embeddings=io["position_embeddings"],
+        attention_mask=io["attention_mask"],
+    )
     return (out - io["target"]).pow(2).mean() / io["target"].pow(2).mean()
 
 

@@ -33,17 +33,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
-            h = hidden[start:start + chunk_rows]
+            h = hidden[start : start + chunk_rows]
             teacher = None
             if teacher_hidden is not None:  # the teacher's logits as the plain path makes them: never under autocast
                 with torch.autocast(hidden.device.type, enabled=False):
-                    teacher = teacher_hidden[start:start + chunk_rows] @ teacher_weight.t()
+                    teacher = teacher_hidden[start : start + chunk_rows] @ teacher_weight.t()
             with torch.enable_grad():
                 logits = (h @ weight.t()).detach().requires_grad_(True)
-                loss = objective.token_loss_sum(logits, targets[start:start + chunk_rows], teacher)
+                loss = objective.token_loss_sum(logits, targets[start : start + chunk_rows], teacher)
                 (grad_logits,) = torch.autograd.grad(loss, logits)
             grad_logits = grad_logits.to(logits.dtype)
-            grad_hidden[start:start + chunk_rows] = grad_logits @ weight.to(grad_logits.dtype)
+            grad_hidden[start : start + chunk_rows] = grad_logits @ weight.to(grad_logits.dtype)
             grad_weight += (grad_logits.t() @ h.to(grad_logits.dtype)).float()
             total += loss.detach().float()
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
@@ -52,13 +52,26 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), \
-            None, None, None, None, None
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype),
+            grad_weight * grad_total.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, objective: Objective,
-                      teacher_hidden: torch.Tensor | None = None, teacher_weight: torch.Tensor | None = None,
-                      chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+def chunked_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    objective: Objective,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+) -> torch.Tensor:
     """`objective.token_loss_sum` of `hidden` `[N, H]` through an output layer `weight` `[V, H]` (no bias: the
     Llama family's) predicting `targets` `[N]`, summed over the N positions; differentiable in `hidden` and
     `weight`. The teacher's logits are `teacher_hidden @ teacher_weight.T`, made one chunk at a time."""
@@ -83,6 +96,7 @@ def last_hidden_state_of(decoder: torch.nn.Module):
 
 class LogitsLoss:
     """The plain path: the model's full logits, then the objective on them."""
+
     name = "logits"
 
     def teacher_outputs(self, teacher, batch):
@@ -95,6 +109,7 @@ class LogitsLoss:
 class ChunkedLoss:
     """The fused path: the objective from the last hidden states, `chunk_rows` positions at a time. `decoder`
     and `head` are the trained model's own (unwrapped) decoder and output layer."""
+
     name = "chunked"
 
     def __init__(self, decoder: torch.nn.Module, head: torch.nn.Module, chunk_rows: int = CHUNK_ROWS):
@@ -112,8 +127,9 @@ class ChunkedLoss:
         hidden = captured["hidden"][:, :-1].flatten(0, 1)
         targets = batch[:, 1:].flatten()
         teacher_hidden, teacher_weight = teacher_outputs if teacher_outputs is not None else (None, None)
-        total = chunked_head_loss(hidden, self.head.weight, targets, objective, teacher_hidden, teacher_weight,
-                                  self.chunk_rows)
+        total = chunked_head_loss(
+            hidden, self.head.weight, targets, objective, teacher_hidden, teacher_weight, self.chunk_rows
+        )
         return total / targets.numel()
 
 
@@ -124,6 +140,8 @@ def loss_head_for(model: torch.nn.Module, fused: bool, chunk_rows: int = CHUNK_R
         return LogitsLoss()
     head = getattr(model, "lm_head", None)
     if not (isinstance(head, torch.nn.Linear) and head.bias is None and hasattr(model, "model")):
-        raise ValueError(f"train.fused_loss: {type(model).__name__} has no bias-free lm_head over a .model decoder; "
-                         "set train.fused_loss=false")
+        raise ValueError(
+            f"train.fused_loss: {type(model).__name__} has no bias-free lm_head over a .model decoder; "
+            "set train.fused_loss=false"
+        )
     return ChunkedLoss(model.model, head, chunk_rows)

@@ -32,7 +32,7 @@ STRATEGIES = ("ddp", "fsdp")
 CONTEXT_BYTES = 1.5e9
 SLACK = 0.10
 HOST_RUNTIME_BYTES = 3e9  # python, torch, CUDA libraries and the tokenizer, resident in every process
-MAX_PROCESSES = 1024      # the most processes `processes_needed` looks for
+MAX_PROCESSES = 1024  # the most processes `processes_needed` looks for
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,23 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.parts.items())
-        return (f"{self.total_gb:.1f} GB per GPU ({self.strategy} on {self.processes} process(es), activation "
-                f"checkpointing {'on' if self.activation_checkpointing else 'off'}, {self.parameters / 1e9:.2f}B "
-                f"parameters; GB: {parts}, + context and {SLACK:.0%} slack)")
+        return (
+            f"{self.total_gb:.1f} GB per GPU ({self.strategy} on {self.processes} process(es), activation "
+            f"checkpointing {'on' if self.activation_checkpointing else 'off'}, {self.parameters / 1e9:.2f}B "
+            f"parameters; GB: {parts}, + context and {SLACK:.0%} slack)"
+        )
 
 
-def parameter_count(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                    intermediate_size: int, vocab_size: int, tied_embeddings: bool) -> int:
+def parameter_count(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tied_embeddings: bool,
+) -> int:
     """A Llama-family decoder's parameters (the converted model has fewer in attention: this bounds it)."""
     attention = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads)
     mlp = 3 * hidden_size * intermediate_size
@@ -67,14 +77,30 @@ def parameter_count(num_layers: int, hidden_size: int, num_heads: int, num_kv_he
     return num_layers * (attention + mlp + 2 * hidden_size) + embeddings + hidden_size
 
 
-def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-             intermediate_size: int, vocab_size: int, tied_embeddings: bool, micro_batch_size: int, seq_len: int,
-             processes: int, strategy: str = "ddp", activation_checkpointing: bool = False,
-             precision_mode: str = "bf16-autocast", teacher: bool = False, fused_loss: bool = False) -> MemoryEstimate:
+def estimate_memory(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tied_embeddings: bool,
+    micro_batch_size: int,
+    seq_len: int,
+    processes: int,
+    strategy: str = "ddp",
+    activation_checkpointing: bool = False,
+    precision_mode: str = "bf16-autocast",
+    teacher: bool = False,
+    fused_loss: bool = False,
+) -> MemoryEstimate:
     if strategy not in STRATEGIES:
         raise ValueError(f"train.strategy: unknown {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    p = parameter_count(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size,
-                        tied_embeddings)
+    p = parameter_count(
+        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size, tied_embeddings
+    )
     state = 16 + (2 if precision_mode == "bf16-master" else 0)
     layer = p / num_layers  # the embeddings' share makes this an upper bound for one decoder layer
     tokens = micro_batch_size * seq_len
@@ -99,7 +125,7 @@ def estimate_memory(*, num_layers: int, hidden_size: int, num_heads: int, num_kv
 class HostEstimate:
     strategy: str
     processes: int
-    main: dict   # part name -> bytes, the main process at its peak
+    main: dict  # part name -> bytes, the main process at its peak
     other: dict  # the same for each other process (empty with one process)
 
     @staticmethod
@@ -123,8 +149,10 @@ class HostEstimate:
         text = f"main process {self.main_gb:.1f} GB ({parts})"
         if self.processes > 1:
             others = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.other.items()) or "the runtime alone"
-            text += (f", each of the other {self.processes - 1} {self.other_gb:.1f} GB ({others}); "
-                     f"{self.node_gb(self.processes):.1f} GB for all {self.processes} on one node")
+            text += (
+                f", each of the other {self.processes - 1} {self.other_gb:.1f} GB ({others}); "
+                f"{self.node_gb(self.processes):.1f} GB for all {self.processes} on one node"
+            )
         return text + f" (+ {HOST_RUNTIME_BYTES / GB:.0f} GB runtime each and {SLACK:.0%} slack)"
 
 
@@ -150,10 +178,11 @@ def processes_needed(estimate, limit_gb: float) -> int | None:
 @dataclass(frozen=True)
 class LaunchCheck:
     """The processes a fine-tune's plan is laid out for (`train.gpus`) against those this launch has."""
+
     planned: int
     launched: int
-    needed: int | None             # the fewest processes whose per-GPU memory fits, None: no count does
-    on_launch: MemoryEstimate      # per GPU with this launch's processes
+    needed: int | None  # the fewest processes whose per-GPU memory fits, None: no count does
+    on_launch: MemoryEstimate  # per GPU with this launch's processes
     limit_gb: float
 
     @property
@@ -161,12 +190,20 @@ class LaunchCheck:
         return self.on_launch.total_gb <= self.limit_gb
 
     def describe(self) -> str:
-        needed = (f"at least {self.needed} to fit {self.limit_gb:g} GB per GPU" if self.needed
-                  else f"no process count fits {self.limit_gb:g} GB per GPU")
-        verdict = ("accepted" if self.fits else
-                   f"refused: on {self.launched} process(es) it needs {self.on_launch.total_gb:.1f} GB per GPU")
-        return (f"the plan is laid out for {self.planned} (train.gpus, {self.on_launch.strategy}; {needed}); "
-                f"this launch has {self.launched}: {verdict}")
+        needed = (
+            f"at least {self.needed} to fit {self.limit_gb:g} GB per GPU"
+            if self.needed
+            else f"no process count fits {self.limit_gb:g} GB per GPU"
+        )
+        verdict = (
+            "accepted"
+            if self.fits
+            else f"refused: on {self.launched} process(es) it needs {self.on_launch.total_gb:.1f} GB per GPU"
+        )
+        return (
+            f"the plan is laid out for {self.planned} (train.gpus, {self.on_launch.strategy}; {needed}); "
+            f"this launch has {self.launched}: {verdict}"
+        )
 
 
 def checkpoint_bytes_per_process(*, parameters: int, processes: int, strategy: str) -> float:

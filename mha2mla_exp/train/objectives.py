@@ -26,8 +26,11 @@ OBJECTIVES = Registry("recovery objective", "objective.name")
 def build_objective(objective: ObjectiveConfig) -> "Objective":
     """The objective `objective.name` names, its other settings as arguments (null: the objective's own default);
     ValueError naming the field. Their ranges are the schema's (schema/sections.ObjectiveConfig)."""
-    arguments = {f.name: getattr(objective, f.name) for f in fields(objective)
-                 if f.name != "name" and getattr(objective, f.name) is not None}
+    arguments = {
+        f.name: getattr(objective, f.name)
+        for f in fields(objective)
+        if f.name != "name" and getattr(objective, f.name) is not None
+    }
     cls = OBJECTIVES.class_of(objective.name)
     try:
         return cls(**arguments)
@@ -39,8 +42,9 @@ class Objective(Registered):
     registry = OBJECTIVES
     needs_teacher = False
 
-    def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor,
-                       teacher_logits: torch.Tensor | None) -> torch.Tensor:
+    def token_loss_sum(
+        self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None
+    ) -> torch.Tensor:
         """The objective summed over N scored positions: `logits` `[N, V]` predict `targets` `[N]`; the one
         definition of the method, used on full logits (`__call__`) and chunk by chunk (train/loss_head.py)."""
         raise NotImplementedError

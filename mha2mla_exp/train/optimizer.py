@@ -16,5 +16,6 @@ IMPLEMENTATIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop
 
 def adamw(param_groups: list[dict], train: TrainConfig) -> torch.optim.AdamW:
     """`train.optimizer_impl` is one of IMPLEMENTATIONS (the schema checks it)."""
-    return torch.optim.AdamW(param_groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps,
-                             **IMPLEMENTATIONS[train.optimizer_impl])
+    return torch.optim.AdamW(
+        param_groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps, **IMPLEMENTATIONS[train.optimizer_impl]
+    )

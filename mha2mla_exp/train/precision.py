@@ -30,7 +30,7 @@ CPU_BF16_MIN_SPEEDUP = 1.5
 
 @dataclass(frozen=True)
 class Precision:
-    mode: str                 # one of MODES but 'auto'
+    mode: str  # one of MODES but 'auto'
     param_dtype: torch.dtype  # what the model's weights are stored in while training
     compute_dtype: torch.dtype
     optimizer_dtype: torch.dtype  # the master weights' dtype: what the optimizer's update and state live in
@@ -47,12 +47,18 @@ class Precision:
         return self.param_dtype != self.optimizer_dtype
 
     def to_record(self) -> dict:
-        return {"mode": self.mode, "param_dtype": _name(self.param_dtype), "compute_dtype": _name(self.compute_dtype),
-                "optimizer_dtype": _name(self.optimizer_dtype), "reason": self.reason}
+        return {
+            "mode": self.mode,
+            "param_dtype": _name(self.param_dtype),
+            "compute_dtype": _name(self.compute_dtype),
+            "optimizer_dtype": _name(self.optimizer_dtype),
+            "reason": self.reason,
+        }
 
 
-def precision_for(mode: str, device_type: str, *, hidden_size: int = 576, intermediate_size: int = 1536,
-                  bf16_pays=None) -> Precision:
+def precision_for(
+    mode: str, device_type: str, *, hidden_size: int = 576, intermediate_size: int = 1536, bf16_pays=None
+) -> Precision:
     """The `Precision` of `mode` on `device_type` ('cuda' | 'cpu'); `auto` is resolved here, on CPU by
     `bf16_pays(hidden, intermediate)` (default: `cpu_bf16_pays`; the runner passes one that measures on the main
     process and hands its verdict to the others, so that every process trains in the same precision)."""
@@ -79,10 +85,13 @@ def cpu_bf16_pays(hidden_size: int, intermediate_size: int) -> tuple[bool, str]:
     CPU, and the measurement that says so (what `train.precision=auto` and `eval.dtype=fastest` decide by)."""
     speedup, detail = cpu_bf16_speedup(hidden_size, intermediate_size)
     fast = speedup >= CPU_BF16_MIN_SPEEDUP
-    return fast, f"bf16 matmul {speedup:.2f}x fp32 ({detail}); {'>=' if fast else '<'} {CPU_BF16_MIN_SPEEDUP}x threshold"
+    return (
+        fast,
+        f"bf16 matmul {speedup:.2f}x fp32 ({detail}); {'>=' if fast else '<'} {CPU_BF16_MIN_SPEEDUP}x threshold",
+    )
 
 
-SCREEN_ROWS = 32     # a first bf16/fp32 timing this small, so that a CPU without a bf16 kernel is told in seconds
+SCREEN_ROWS = 32  # a first bf16/fp32 timing this small, so that a CPU without a bf16 kernel is told in seconds
 SCREEN_VERDICT = 0.25  # bf16 at most this fraction of fp32's speed there: no full probe, bf16 is not worth it
 
 
@@ -105,17 +114,22 @@ def cpu_bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 2048)
     A screen at SCREEN_ROWS rows comes first: where bf16 runs at under SCREEN_VERDICT of fp32's speed there, that
     is the answer, instead of a full probe that can take an hour (an AVX2-only AMD EPYC, no avx512_bf16, runs
     bf16 matmuls 50-140x slower than fp32: 85 s against 0.6 s for 256 x 4096 x 11008 on one thread)."""
+
     def best_seconds(dtype, n: int, repeats: int = 5) -> float:  # the shapes are this probe's
         return matmul_seconds(dtype, n, hidden_size, intermediate_size, repeats)
 
     screen = best_seconds(torch.float32, SCREEN_ROWS, 1) / best_seconds(torch.bfloat16, SCREEN_ROWS, 1)
     if screen < SCREEN_VERDICT:
-        return screen, (f"screened at {SCREEN_ROWS}x{hidden_size}x{intermediate_size}: bf16 {1 / screen:.0f}x slower "
-                        f"than fp32, {torch.get_num_threads()} threads")
+        return screen, (
+            f"screened at {SCREEN_ROWS}x{hidden_size}x{intermediate_size}: bf16 {1 / screen:.0f}x slower "
+            f"than fp32, {torch.get_num_threads()} threads"
+        )
     fp32, bf16 = best_seconds(torch.float32, rows), best_seconds(torch.bfloat16, rows)
     flops = 2 * rows * hidden_size * intermediate_size
-    detail = (f"{rows}x{hidden_size}x{intermediate_size}: {flops / bf16 / 1e9:.0f} vs {flops / fp32 / 1e9:.0f} GFLOP/s, "
-              f"{torch.get_num_threads()} threads")
+    detail = (
+        f"{rows}x{hidden_size}x{intermediate_size}: {flops / bf16 / 1e9:.0f} vs {flops / fp32 / 1e9:.0f} GFLOP/s, "
+        f"{torch.get_num_threads()} threads"
+    )
     return fp32 / bf16, detail
 
 

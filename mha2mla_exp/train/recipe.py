@@ -33,11 +33,11 @@ from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
+from ..schema.sections import ObjectiveConfig, TrainConfig
 from . import sharding
 from .budget import plan_budget, pretrain_share_pct
 from .loss_head import loss_head_for
 from .master_weights import MasterWeights
-from ..schema.sections import ObjectiveConfig, TrainConfig
 from .objectives import Objective, build_objective
 from .optimizer import adamw
 from .precision import Precision
@@ -100,17 +100,31 @@ class FineTuneRecipe:
     """One fine-tune of `model` on `rows` (a `data.rows` source) under the `train` section; `run()` executes the
     steps below in order."""
 
-    def __init__(self, model, rows, train: TrainConfig, checkpoint_root: Path, *, precision: Precision, seed: int,
-                 objective: Objective | ObjectiveConfig | None = None, teacher=None,
-                 pretrain_tokens: float | None = None, on_log=None, probe=None, fail_at_step: int | None = None,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        model,
+        rows,
+        train: TrainConfig,
+        checkpoint_root: Path,
+        *,
+        precision: Precision,
+        seed: int,
+        objective: Objective | ObjectiveConfig | None = None,
+        teacher=None,
+        pretrain_tokens: float | None = None,
+        on_log=None,
+        probe=None,
+        fail_at_step: int | None = None,
+        device: torch.device | None = None,
+    ):
         self.model, self.rows, self.train = model, rows, train
         # where to train: the model's own device unless given (under FSDP the other processes' model is on meta)
         self.device = device
         self.ckpt = Path(checkpoint_root) / CHECKPOINT_DIR
         self.precision, self.seed, self.pretrain_tokens = precision, seed, pretrain_tokens
-        self.objective = objective if isinstance(objective, Objective) else build_objective(objective or
-                                                                                             ObjectiveConfig())
+        self.objective = (
+            objective if isinstance(objective, Objective) else build_objective(objective or ObjectiveConfig())
+        )
         if self.objective.needs_teacher and teacher is None:
             raise ValueError(f"objective {self.objective.name!r} needs the original model as teacher")
         self.teacher = teacher if self.objective.needs_teacher else None
@@ -126,7 +140,9 @@ class FineTuneRecipe:
     def setup(self) -> None:
         train, precision = self.train, self.precision
         # precision is ours (train.precision), never accelerate's: mixed_precision="no" and our own autocast
-        device = self.device or next(self.model.parameters()).device  # the runner placed it (device=cpu on a GPU host too)
+        device = (
+            self.device or next(self.model.parameters()).device
+        )  # the runner placed it (device=cpu on a GPU host too)
         self.accelerator = acc = Accelerator(mixed_precision="no", cpu=device.type == "cpu")
         set_seed(self.seed)  # anything the step draws (dropout, sampling); resume restores the RNG states after it
         self.budget = plan_budget(train, pretrain_tokens=self.pretrain_tokens, num_processes=acc.num_processes)
@@ -153,8 +169,9 @@ class FineTuneRecipe:
         targets = self.master.master if self.master else trained
         decay = [t for p, t in zip(trained, targets) if p.dim() >= 2]  # no decay on biases and norm weights
         no_decay = [t for p, t in zip(trained, targets) if p.dim() < 2]
-        optimizer = adamw([{"params": decay, "weight_decay": train.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}], train)
+        optimizer = adamw(
+            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], train
+        )
         schedule = schedule_for(train, self.budget.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
         model.train()
@@ -242,8 +259,13 @@ class FineTuneRecipe:
         """One line per logged step (every `log_every` steps, the last one, and any step that was probed)."""
         if self.step_count % self.train.log_every and self.step_count != self.budget.steps and not probe:
             return
-        record = {"step": self.step_count, "tokens": self.budget.tokens_after(self.step_count), "loss": loss,
-                  "lr": self.step_lr, "elapsed_s": round(elapsed, 3)} | (probe or {})
+        record = {
+            "step": self.step_count,
+            "tokens": self.budget.tokens_after(self.step_count),
+            "loss": loss,
+            "lr": self.step_lr,
+            "elapsed_s": round(elapsed, 3),
+        } | (probe or {})
         if self.on_log and self.accelerator.is_main_process:
             self.on_log(record)
 
@@ -288,8 +310,13 @@ class FineTuneRecipe:
             sharding.save_sharded(self.model, self.optimizer, tmp / sharding.SHARDED_STATE_DIR)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            progress = {"step": self.step_count, "first_loss": self.first_loss, "elapsed_s": elapsed,
-                        "probes": self.probe_results, "rows": self.rows.state_dict()}
+            progress = {
+                "step": self.step_count,
+                "first_loss": self.first_loss,
+                "elapsed_s": elapsed,
+                "probes": self.probe_results,
+                "rows": self.rows.state_dict(),
+            }
             _write_atomic(tmp / "progress.json", json.dumps(progress))
             old = self.ckpt.with_name(CHECKPOINT_DIR + ".old")
             if self.ckpt.exists():
@@ -369,8 +396,7 @@ class FineTuneRecipe:
         before = self.maybe_probe()
         if before and self.on_log and acc.is_main_process:
             self.on_log({"step": 0, "tokens": 0, "elapsed_s": 0.0} | before)
-        bar = tqdm(total=total, initial=self.step_count, desc="fine-tune", unit="step",
-                   disable=not acc.is_main_process)
+        bar = tqdm(total=total, initial=self.step_count, desc="fine-tune", unit="step", disable=not acc.is_main_process)
         with StopSignals() as stop:
             while self.step_count < total:
                 self._advance(bar, elapsed)

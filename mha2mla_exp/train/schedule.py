@@ -34,8 +34,11 @@ class Schedule:
         return 1.0
 
     def describe(self) -> str:
-        decay = (f"1-sqrt decay from step {self.decay_start:,} to 0 at step {self.total_steps:,}" if self.decay_steps
-                 else "no decay")
+        decay = (
+            f"1-sqrt decay from step {self.decay_start:,} to 0 at step {self.total_steps:,}"
+            if self.decay_steps
+            else "no decay"
+        )
         return f"warm-up ends at step {self.warmup_steps:,}, constant, then {decay}"
 
 
@@ -46,9 +49,11 @@ def schedule_for(train: TrainConfig, total_steps: int) -> Schedule:
     if train.decay_steps is not None:
         decay = int(train.decay_steps)
         if warmup + decay > total_steps:
-            raise ValueError(f"train.decay_steps: {warmup:,} warm-up steps (train.warmup_steps) and {decay:,} decay "
-                             f"steps do not fit the budget's {total_steps:,} steps; shorten them with the budget "
-                             "(the released configs: warm-up 5-8 %, decay the last 10-17 %)")
+            raise ValueError(
+                f"train.decay_steps: {warmup:,} warm-up steps (train.warmup_steps) and {decay:,} decay "
+                f"steps do not fit the budget's {total_steps:,} steps; shorten them with the budget "
+                "(the released configs: warm-up 5-8 %, decay the last 10-17 %)"
+            )
     else:
         fraction = float(train.decay_fraction)
         decay = max(1, round(total_steps * fraction)) if fraction > 0 else 0

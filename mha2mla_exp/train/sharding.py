@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as td
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ..schema.sections import TrainConfig
 
@@ -67,8 +72,9 @@ def take_shards_from_main(model: torch.nn.Module, main_weights: dict | None, dev
     materialised on `device` first). Buffers (rotary frequencies, which no state dict holds) are the main's too."""
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=device)
-    set_model_state_dict(model, main_weights or {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, main_weights or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for buffer in model.buffers():
         td.broadcast(buffer, src=0)
 
@@ -108,7 +114,9 @@ def unsharded_copy(model: torch.nn.Module, model_state: dict, device: torch.devi
     missing, unexpected = plain.load_state_dict(model_state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise RuntimeError(f"the gathered weights do not fit {cls.__name__}: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"the gathered weights do not fit {cls.__name__}: missing {missing}, unexpected {unexpected}"
+        )
     plain.tie_weights()
     sharded_buffers = dict(model.named_buffers())  # not sharded: every process has them whole
     with torch.no_grad():

@@ -11,6 +11,10 @@ from ..decode_dispatch import absorbed_decode, get_backend, set_backend, triton_
 from ..decode_reference import absorbed_decode_reference
 
 __all__ = [
-    "absorbed_decode", "absorbed_decode_reference", "get_backend", "set_backend", "triton_available",
+    "absorbed_decode",
+    "absorbed_decode_reference",
+    "get_backend",
+    "set_backend",
+    "triton_available",
     "triton_calls",
 ]

@@ -21,8 +21,16 @@ import torch
 import torch.nn.functional as F
 
 
-def compile_split_kernel(config: dict, key_width: int, value_width: int, rope_dim: int = 16, dtype: str = "bf16",
-                         same_slice: bool = True, padded: bool = False, arch: int = 90):
+def compile_split_kernel(
+    config: dict,
+    key_width: int,
+    value_width: int,
+    rope_dim: int = 16,
+    dtype: str = "bf16",
+    same_slice: bool = True,
+    padded: bool = False,
+    arch: int = 90,
+):
     """The split kernel compiled for sm_<arch> as `absorbed_decode_triton` would launch it with `config`
     (a `default_config` dict), without a GPU: ptxas ships in the triton wheel."""
     import triton
@@ -33,21 +41,35 @@ def compile_split_kernel(config: dict, key_width: int, value_width: int, rope_di
 
     widths = kernel_widths(key_width, value_width, config)
     value_chunks = triton.cdiv(value_width, widths["BLOCK_LV"])
-    constexprs = dict(HAS_ROPE=rope_dim > 0, HAS_VALID=padded,
-                      SAME_KV=same_slice and widths["BLOCK_LC"] == widths["BLOCK_LK"] and value_chunks == 1,
-                      BLOCK_H=config["BLOCK_H"], BLOCK_S=config["BLOCK_S"], **widths,
-                      PRECISION="ieee" if dtype == "fp32" else "tf32")
+    constexprs = dict(
+        HAS_ROPE=rope_dim > 0,
+        HAS_VALID=padded,
+        SAME_KV=same_slice and widths["BLOCK_LC"] == widths["BLOCK_LK"] and value_chunks == 1,
+        BLOCK_H=config["BLOCK_H"],
+        BLOCK_S=config["BLOCK_S"],
+        **widths,
+        PRECISION="ieee" if dtype == "fp32" else "tf32",
+    )
     if not padded:
         constexprs |= dict(VSTART=None, VEND=None)
     pointers = {n: f"*{dtype}" for n in ("QR", "QL", "KR", "LAT")} | {
-        "OPART": "*fp32", "LSE": "*fp32", "VSTART": "*i32", "VEND": "*i32"}
+        "OPART": "*fp32",
+        "LSE": "*fp32",
+        "VSTART": "*i32",
+        "VEND": "*i32",
+    }
     names = _split_kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n) or ("fp32" if n == "qk_scale" else "i32")
-                 for n in names}
-    src = ASTSource(fn=_split_kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    signature = {
+        n: "constexpr" if n in constexprs else pointers.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names
+    }
+    src = ASTSource(
+        fn=_split_kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+    )
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]),
+    )
 
 
 def resources(compiled) -> dict:
@@ -59,8 +81,9 @@ def resources(compiled) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                              capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", dump)
     if match is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output:\n{dump}")
@@ -97,9 +120,13 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(b, n_kv if i else n_h, 1 if i == 0 else s, d_h, device=dev, dtype=dt) for i in range(3))
     mha_s = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v), return_mode="median") / 1e3
     del k, v
-    plain_s = triton.testing.do_bench(
-        lambda: absorbed_decode_reference(q_rope, q_latent, k_rope, latent, whole, whole, scale),
-        return_mode="median") / 1e3
+    plain_s = (
+        triton.testing.do_bench(
+            lambda: absorbed_decode_reference(q_rope, q_latent, k_rope, latent, whole, whole, scale),
+            return_mode="median",
+        )
+        / 1e3
+    )
     nbytes = (latent.numel() + k_rope.numel()) * latent.element_size()
     bound = 2 * d_h / (rope + args.d_kv)
 
@@ -107,9 +134,17 @@ def main(argv=None) -> int:
     rows = []
     chunks = (None, 256, 512) if width > 512 else (None,)  # narrower latents fit a program whole
     for block_h, block_s, warps, stages, key_chunk, value_chunk, split_mul in itertools.product(
-            (16, 32), (16, 32, 64), (4, 8), (1, 2), chunks, chunks, (0.5, 1, 2)):
-        cfg = {"BLOCK_H": block_h, "BLOCK_S": block_s, "KEY_CHUNK": key_chunk, "VALUE_CHUNK": value_chunk,
-               "num_warps": warps, "num_stages": stages, "num_splits": max(1, int(auto["num_splits"] * split_mul))}
+        (16, 32), (16, 32, 64), (4, 8), (1, 2), chunks, chunks, (0.5, 1, 2)
+    ):
+        cfg = {
+            "BLOCK_H": block_h,
+            "BLOCK_S": block_s,
+            "KEY_CHUNK": key_chunk,
+            "VALUE_CHUNK": value_chunk,
+            "num_warps": warps,
+            "num_stages": stages,
+            "num_splits": max(1, int(auto["num_splits"] * split_mul)),
+        }
         if (key_chunk or width) >= width and (value_chunk or width) >= width and (key_chunk or value_chunk):
             continue  # a chunk as wide as the latent is the whole-slice config
         try:
@@ -117,18 +152,33 @@ def main(argv=None) -> int:
             used["programs_per_sm"] = blocks_per_sm(used["registers"], warps, used["shared_bytes"])
             out = absorbed_decode_triton(q_rope, q_latent, k_rope, latent, whole, whole, scale, config=cfg)
             err = (out.float() - ref).abs().max().item()
-            sec = triton.testing.do_bench(
-                lambda: absorbed_decode_triton(q_rope, q_latent, k_rope, latent, whole, whole, scale, config=cfg),
-                return_mode="median") / 1e3
+            sec = (
+                triton.testing.do_bench(
+                    lambda: absorbed_decode_triton(q_rope, q_latent, k_rope, latent, whole, whole, scale, config=cfg),
+                    return_mode="median",
+                )
+                / 1e3
+            )
         except Exception as exc:  # e.g. out of shared memory or registers for this tile
             rows.append(cfg | {"error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
-        rows.append(cfg | used | {"seconds": sec, "gb_per_s": nbytes / sec / 1e9, "speedup_vs_mha": mha_s / sec,
-                           "fraction_of_bound": mha_s / sec / bound, "max_abs_err": err,
-                           "is_default": all(cfg[k] == auto[k] for k in cfg)})
+        rows.append(
+            cfg
+            | used
+            | {
+                "seconds": sec,
+                "gb_per_s": nbytes / sec / 1e9,
+                "speedup_vs_mha": mha_s / sec,
+                "fraction_of_bound": mha_s / sec / bound,
+                "max_abs_err": err,
+                "is_default": all(cfg[k] == auto[k] for k in cfg),
+            }
+        )
     rows.sort(key=lambda r: r.get("seconds", float("inf")))
-    print(f"batch {b} context {s}: MHA SDPA {mha_s * 1e6:.1f} us, plain absorbed {plain_s * 1e6:.1f} us "
-          f"({mha_s / plain_s:.2f}x), bound {bound:.1f}x; default config {auto}")
+    print(
+        f"batch {b} context {s}: MHA SDPA {mha_s * 1e6:.1f} us, plain absorbed {plain_s * 1e6:.1f} us "
+        f"({mha_s / plain_s:.2f}x), bound {bound:.1f}x; default config {auto}"
+    )
     for r in rows[:8] + [r for r in rows if r.get("is_default")]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     if args.out:

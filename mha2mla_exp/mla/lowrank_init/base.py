@@ -25,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from ..layouts import KeySplit
 from ...registry import Registered, Registry
+from ..layouts import KeySplit
 
 LOWRANK_INITS = Registry("low-rank init", "init")
 
@@ -45,10 +45,10 @@ class LayerProblem:
 
 @dataclass
 class Weighting:
-    k: torch.Tensor | None = None       # [m_k, m_k] on the compact NoPE key rows
-    v: torch.Tensor | None = None       # [n_kv*d_h, n_kv*d_h] on the value rows
+    k: torch.Tensor | None = None  # [m_k, m_k] on the compact NoPE key rows
+    v: torch.Tensor | None = None  # [n_kv*d_h, n_kv*d_h] on the value rows
     inputs: torch.Tensor | None = None  # [d, d]
-    label: str = ""                     # names a candidate in the converted config (`mla.init_choices`)
+    label: str = ""  # names a candidate in the converted config (`mla.init_choices`)
 
 
 class LowRankInit(Registered):

@@ -33,7 +33,7 @@ class OutputAware(LowRankInit):
         n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
         group = n_h // n_kv
         queries = calibration.get("query_moments")[i]  # [n_h, d_h, d_h]
-        spread = calibration.get("value_spread")[i]    # [n_h]
+        spread = calibration.get("value_spread")[i]  # [n_h]
         w_o = problem.o_weight.double().view(-1, n_h, d_h).transpose(0, 1)  # [n_h, d, d_h]
         k_blocks, v_blocks = [], []
         for g in range(n_kv):

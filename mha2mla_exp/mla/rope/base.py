@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..layouts import HeadPairs
 from ...registry import Registered, Registry
+from ..layouts import HeadPairs
 
 ROPE_STRATEGIES = Registry("RoPE strategy", "rope")
 
@@ -28,7 +28,7 @@ class RopeStrategy(Registered):
     """Chooses, per layer, which (rotated) frequency pairs keep RoPE: a list of `HeadPairs` or `RotatedPairs`."""
 
     registry = ROPE_STRATEGIES
-    statistics: ClassVar[tuple[str, ...]] = ()       # what `select` reads from the calibration
+    statistics: ClassVar[tuple[str, ...]] = ()  # what `select` reads from the calibration
     scores: ClassVar[tuple[str, ...]] = ("product",)  # the `score` values it understands (default first)
     # True: it ranks pairs for one rope key shared by the heads (`ranked`), so a layer can keep any number of
     # them, as a KV budget split between rope dims and latent asks (mla/budget.py)

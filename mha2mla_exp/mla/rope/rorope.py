@@ -34,17 +34,24 @@ class RotatedKeyNorms(Statistic):
                 re = torch.einsum("btgf,fgc->btcf", x[..., :half], u_dev)
                 im = torch.einsum("btgf,fgc->btcf", x[..., half:], u_dev)
                 total.add_(torch.sqrt(re**2 + im**2).mean(dim=1).sum(dim=0).double().cpu())
+
             return fn
 
-        return [attn.k_proj.register_forward_hook(hook(self.total[i], self.rotations[i]))
-                for i, attn in enumerate(layers)]
+        return [
+            attn.k_proj.register_forward_hook(hook(self.total[i], self.rotations[i])) for i, attn in enumerate(layers)
+        ]
 
     def result(self, n_seqs, n_tokens):
         return (self.total / n_seqs).float()
 
 
-def rotated_pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, rotation: torch.Tensor,
-                        score: str = "product", distance: torch.Tensor | None = None) -> torch.Tensor:
+def rotated_pair_scores(
+    q_norms: torch.Tensor,
+    k_norms: torch.Tensor,
+    rotation: torch.Tensor,
+    score: str = "product",
+    distance: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scores [n_kv (components), d_h/2] of the rotated pairs: query head h of group g meets pair (c, f) with
     U_f[g, c] q_{h,f}, of mean norm |U_f[g, c]| ||q_{h,f}||; the shared rope key is read by every query
     head, so each head's score (`head_scores`: product, sum or rotation) is summed over all of them."""

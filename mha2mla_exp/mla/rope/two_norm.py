@@ -19,8 +19,13 @@ def head_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, score: str, distan
     raise ValueError(f"unknown score={score!r}")
 
 
-def pair_scores(q_norms: torch.Tensor, k_norms: torch.Tensor, num_kv_heads: int, score: str = "product",
-                distance: torch.Tensor | None = None) -> torch.Tensor:
+def pair_scores(
+    q_norms: torch.Tensor,
+    k_norms: torch.Tensor,
+    num_kv_heads: int,
+    score: str = "product",
+    distance: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-KV-head pair scores [n_kv, d_h/2] from q_norms [n_h, d_h/2] and k_norms [n_kv, d_h/2] (and, for
     score='rotation', distance [n_h, d_h/2]). Each query head is scored against its KV head and the query
     heads of a GQA group are summed, so the scores rank the same as per-group averages."""
@@ -63,5 +68,7 @@ class TwoNorm(PairScored):
     def select(self, shape, r, score, calibration):
         q_norms, k_norms = calibration.get("pair_norms")
         distance = self.distances(shape, score, calibration)
-        return [HeadPairs(top_pairs(pair_scores(q_norms[i], k_norms[i], shape.num_kv_heads, score, distance[i]), r))
-                for i in range(shape.num_layers)]
+        return [
+            HeadPairs(top_pairs(pair_scores(q_norms[i], k_norms[i], shape.num_kv_heads, score, distance[i]), r))
+            for i in range(shape.num_layers)
+        ]
