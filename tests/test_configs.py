@@ -130,7 +130,7 @@ def test_table1_uses_each_models_three_d_kv():
         (["kv_quant.backend=bnb", "kv_quant.nbits=4"], "kv_quant.backend"),
         (["model.source=local", "model.id=/nonexistent/model"], "model"),
         (["model.source=asset", "model.id=no-such-asset"], "model"),
-        (["model.shape.head_dim=null"], "model.shape"),
+        (["model.shape.head_dim=0"], "model.shape"),  # null: refused at composition (its type)
         (["eval.commonsense.tasks=[piqa,siqa]"], "eval.commonsense"),
         (["+eval.commonsense.limt=5"], "eval.commonsense"),
         (["eval.longbench.enabled=true", "+eval.longbench.subsets=[narrativeqa,no_such_subset]"], "eval"),
