@@ -19,27 +19,11 @@ import pandas as pd
 import yaml
 
 from ..evaluation.samples import SAMPLES_FILE
+from ..schema.sections import PAPER_COMMONSENSE_TASKS, PAPER_LONGBENCH_SUBSETS
 
 COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
-COMMONSENSE_PARTS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")  # scored
-LONGBENCH = (
-    "narrativeqa",
-    "qasper",
-    "multifieldqa_en",
-    "hotpotqa",
-    "2wikimqa",
-    "musique",
-    "gov_report",
-    "qmsum",
-    "multi_news",
-    "trec",
-    "triviaqa",
-    "samsum",
-    "passage_count",
-    "passage_retrieval_en",
-    "lcc",
-    "repobench-p",
-)
+COMMONSENSE_PARTS = PAPER_COMMONSENSE_TASKS  # scored
+LONGBENCH = PAPER_LONGBENCH_SUBSETS
 METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
 
 # Head dims of the paper's models (METHOD.md, "Model shapes"): turns the paper's "r = d_h/16" into a number

@@ -20,27 +20,10 @@ import os
 import sys
 from pathlib import Path
 
-from ..schema.sections import LongBenchConfig
+from ..schema.sections import PAPER_LONGBENCH_SUBSETS, LongBenchConfig
 from .tasks import Function, lm_eval_tasks_dir, run_tasks, write_task_folder
 
-SUBSETS = (
-    "narrativeqa",
-    "qasper",
-    "multifieldqa_en",
-    "hotpotqa",
-    "2wikimqa",
-    "musique",
-    "gov_report",
-    "qmsum",
-    "multi_news",
-    "trec",
-    "triviaqa",
-    "samsum",
-    "passage_count",
-    "passage_retrieval_en",
-    "lcc",
-    "repobench-p",
-)
+SUBSETS = PAPER_LONGBENCH_SUBSETS
 FIRST_LINE = ("trec", "triviaqa", "samsum")  # LongBench's pred.lstrip('\n').split('\n')[0] (lsht is Chinese)
 PREFIX = "mla_longbench_"
 

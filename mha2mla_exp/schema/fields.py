@@ -7,6 +7,7 @@ checkpoint cadence, how a batch is split into micro-batches) and so never enters
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import MISSING, field
 from typing import Any, Callable
 
@@ -55,6 +56,11 @@ def unit_interval(value) -> str | None:
 
 def one_of(*choices) -> Check:
     return lambda value: None if value in choices else f"expected one of {', '.join(map(str, choices))}"
+
+
+def section_type(hint) -> type | None:
+    """The dataclass a field's type hint declares (`ShapeConfig` for `Optional[ShapeConfig]`), or None."""
+    return next((c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)), None)
 
 
 def fields_of(obj) -> list[dataclasses.Field]:

@@ -20,7 +20,7 @@ import typing
 from dataclasses import MISSING
 from typing import Any
 
-from .fields import default_of, fields_of, is_observer
+from .fields import default_of, fields_of, is_observer, section_type
 from .sections import RunConfig
 
 SCHEMA_VERSION = 1
@@ -124,9 +124,7 @@ def number_changing_defaults(cls: type = RunConfig, prefix: str = "") -> dict:
         if is_observer(f):
             continue
         path = f"{prefix}{f.name}"
-        section = next(
-            (c for c in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(c)), None
-        )
+        section = section_type(hints[f.name])
         if section is not None:
             out[path] = None if f.default is None else "section"
             out.update(number_changing_defaults(section, f"{path}."))

