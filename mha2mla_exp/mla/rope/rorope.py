@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration import Statistic
+from ..calibration import Statistic, on_inputs
 from ..layouts import RotatedPairs
 from .two_norm import PairScored, head_scores
 
@@ -27,19 +27,15 @@ class RotatedKeyNorms(Statistic):
     def attach(self, layers):
         n_kv, d_h, half = self.shape.num_kv_heads, self.shape.head_dim, self.shape.head_dim // 2
 
-        def hook(total, u):
-            def fn(module, args, out):
-                x = out.float().view(*out.shape[:-1], n_kv, d_h)
-                u_dev = u.to(x.device)
-                re = torch.einsum("btgf,fgc->btcf", x[..., :half], u_dev)
-                im = torch.einsum("btgf,fgc->btcf", x[..., half:], u_dev)
-                total.add_(torch.sqrt(re**2 + im**2).mean(dim=1).sum(dim=0).double().cpu())
+        def fn(i, layer, x, kwargs):
+            k = layer.keys(x)
+            k = k.float().view(*k.shape[:-1], n_kv, d_h)
+            u = self.rotations[i].to(k.device)
+            re = torch.einsum("btgf,fgc->btcf", k[..., :half], u)
+            im = torch.einsum("btgf,fgc->btcf", k[..., half:], u)
+            self.total[i].add_(torch.sqrt(re**2 + im**2).mean(dim=1).sum(dim=0).double().cpu())
 
-            return fn
-
-        return [
-            attn.k_proj.register_forward_hook(hook(self.total[i], self.rotations[i])) for i, attn in enumerate(layers)
-        ]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return (self.total / n_seqs).float()
@@ -79,15 +75,20 @@ class RoRoPE(PairScored):
     def ranked(self, shape, score, calibration) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
         """Per layer, the rotation U and every rotated (component, frequency) pair by decreasing score: keeping
         the first K is this strategy's choice for K pairs (`RotatedPairs(U, order[:K])`)."""
-        q_norms, _ = calibration.get("pair_norms")
-        distance = self.distances(shape, score, calibration)
-        rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
-        (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
         n_kv = shape.num_kv_heads
         ranked = []
-        for i, u in enumerate(rotations):
-            scores = rotated_pair_scores(q_norms[i], k_norms[i], u, score, distance[i])  # [c, f]
+        for u, scores in self.scored(shape, score, calibration):
             flat = scores.T.reshape(-1)  # frequency-major: ties go to the higher frequency, then component
             order = torch.sort(flat.double(), descending=True, stable=True).indices.tolist()
             ranked.append((u, [(j % n_kv, j // n_kv) for j in order]))
         return ranked
+
+    def scored(self, shape, score, calibration) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the rotation U and the scores [n_kv (components), d_h/2] of its rotated pairs."""
+        q_norms, _ = calibration.get("pair_norms")
+        distance = self.distances(shape, score, calibration)
+        rotations = [principal_axes(m) for m in calibration.get("key_pair_moments")]
+        (k_norms,) = calibration.run(RotatedKeyNorms(shape, rotations))
+        return [
+            (u, rotated_pair_scores(q_norms[i], k_norms[i], u, score, distance[i])) for i, u in enumerate(rotations)
+        ]
