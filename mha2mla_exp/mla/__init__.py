@@ -10,7 +10,7 @@ from .cache import LatentCache, QuantizedLatentCache, cache_nbytes
 from .configuration import MLAConfig
 from .convert import check_architecture, convert_to_mla
 from .lowrank_init import LOWRANK_INITS, LowRankInit
-from .modeling import MLAAttention, MLAForCausalLM, MLAModel
+from .modeling import MLAAttention, MLAForCausalLM
 from .rope import ROPE_STRATEGIES, RopeStrategy, fixed_pairs
 from .spec import SVD_VARIANTS, MLASpec, ModelShape, default_r, kv_elements_per_token, kv_ratio, max_d_kv
 
@@ -27,7 +27,6 @@ __all__ = [
     "convert_to_mla",
     "MLAAttention",
     "MLAForCausalLM",
-    "MLAModel",
     "fixed_pairs",
     "ROPE_STRATEGIES",
     "RopeStrategy",

@@ -5,6 +5,8 @@ over the batches serves every statistic a conversion asks for (`Calibration.pref
 register themselves (mha2mla_exp/registry.py), so a strategy declares `statistics = ("pair_norms", ...)`; a
 strategy may also bring its own unnamed one and run it with `Calibration.run` (RoRoPE's rotated-key norms need
 its rotation first).
+Statistics read the family's own pre-RoPE queries and keys, after its QK-norm (`SourceAttention`,
+mla/families.py), from the attention layers' inputs: each hook is a forward pre-hook of the attention module.
 Every result is on the CPU: pair norms in float32, moments in float64 as means per token.
 """
 
@@ -13,17 +15,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..registry import Registered, Registry
+from .families import SourceAttention, source_attentions
 
 STATISTICS = Registry("calibration statistic", "statistics")
 
 
-def attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [layer.self_attn for layer in model.model.layers]
+def on_inputs(layers: list[SourceAttention], fn) -> list:
+    """Forward pre-hooks calling fn(i, layer, x, kwargs) with each attention layer's input x [B, T, d]."""
+
+    def hook(i, layer):
+        def pre(module, args, kwargs):
+            fn(i, layer, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0], kwargs)
+
+        return pre
+
+    return [layer.module.register_forward_pre_hook(hook(i, layer), with_kwargs=True) for i, layer in enumerate(layers)]
 
 
 class Statistic(Registered):
@@ -35,7 +45,7 @@ class Statistic(Registered):
     def __init__(self, shape):
         self.shape = shape
 
-    def attach(self, layers: list[nn.Module]) -> list:
+    def attach(self, layers: list[SourceAttention]) -> list:
         raise NotImplementedError
 
     def result(self, n_seqs: int, n_tokens: int):
@@ -61,22 +71,16 @@ class PairNorms(Statistic):
     def attach(self, layers):
         d_h, half = self.shape.head_dim, self.shape.head_dim // 2
 
-        def hook(total, heads):
-            def fn(module, args, out):
-                x = _heads(out, heads, d_h)
-                norms = torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2)  # [B, T, heads, half]
-                total.add_(norms.mean(dim=1).sum(dim=0).double().cpu())
+        def add(total, out, heads):
+            x = _heads(out, heads, d_h)
+            norms = torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2)  # [B, T, heads, half]
+            total.add_(norms.mean(dim=1).sum(dim=0).double().cpu())
 
-            return fn
+        def fn(i, layer, x, kwargs):
+            add(self.q[i], layer.queries(x), self.shape.num_heads)
+            add(self.k[i], layer.keys(x), self.shape.num_kv_heads)
 
-        return [
-            h
-            for i, attn in enumerate(layers)
-            for h in (
-                attn.q_proj.register_forward_hook(hook(self.q[i], self.shape.num_heads)),
-                attn.k_proj.register_forward_hook(hook(self.k[i], self.shape.num_kv_heads)),
-            )
-        ]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return (self.q / n_seqs).float(), (self.k / n_seqs).float()
@@ -96,15 +100,12 @@ class KeyPairMoments(Statistic):
     def attach(self, layers):
         d_h, half = self.shape.head_dim, self.shape.head_dim // 2
 
-        def hook(total):
-            def fn(module, args, out):
-                x = _heads(out, self.shape.num_kv_heads, d_h).double()
-                re, im = x[..., :half], x[..., half:]
-                total.add_((torch.einsum("btgf,bthf->fgh", re, re) + torch.einsum("btgf,bthf->fgh", im, im)).cpu())
+        def fn(i, layer, x, kwargs):
+            k = _heads(layer.keys(x), self.shape.num_kv_heads, d_h).double()
+            re, im = k[..., :half], k[..., half:]
+            self.total[i].add_((torch.einsum("btgf,bthf->fgh", re, re) + torch.einsum("btgf,bthf->fgh", im, im)).cpu())
 
-            return fn
-
-        return [attn.k_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
@@ -121,14 +122,11 @@ class InputGram(Statistic):
         self.total = torch.zeros(shape.num_layers, d, d, dtype=torch.float64)
 
     def attach(self, layers):
-        def hook(total):
-            def fn(module, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).double()
-                total.add_((x.T @ x).cpu())
+        def fn(i, layer, x, kwargs):
+            x = x.reshape(-1, x.shape[-1]).double()
+            self.total[i].add_((x.T @ x).cpu())
 
-            return fn
-
-        return [attn.k_proj.register_forward_pre_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
@@ -146,33 +144,30 @@ class QueryMoments(Statistic):
         self.total = torch.zeros(shape.num_layers, n_h, d_h, d_h, dtype=torch.float64)
 
     def attach(self, layers):
-        def hook(total):
-            def fn(module, args, out):
-                x = _heads(out, self.shape.num_heads, self.shape.head_dim).double()
-                total.add_(torch.einsum("bthi,bthj->hij", x, x).cpu())
+        def fn(i, layer, x, kwargs):
+            q = _heads(layer.queries(x), self.shape.num_heads, self.shape.head_dim).double()
+            self.total[i].add_(torch.einsum("bthi,bthj->hij", q, q).cpu())
 
-            return fn
-
-        return [attn.q_proj.register_forward_hook(hook(self.total[i])) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
 
 
-def attention_probs(attn: nn.Module, shape, args, kwargs) -> torch.Tensor:
-    """A Llama-family attention layer's own causal probabilities [B, n_h, T, T], recomputed in a forward
-    pre-hook (calibration rows are unpadded). F.linear, not the projections: their hooks (other
-    statistics) must see each token once."""
+def attention_probs(layer: SourceAttention, shape, x: torch.Tensor, kwargs) -> torch.Tensor:
+    """An attention layer's own causal probabilities [B, n_h, T, T] (its scale and soft cap), recomputed from
+    its input x (calibration rows are unpadded; a sliding window wider than the rows changes nothing)."""
     n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     cos, sin = kwargs["position_embeddings"]
     b, t, _ = x.shape
-    q, k = (
-        F.linear(x, p.weight, p.bias).view(b, t, -1, d_h).transpose(1, 2).float() for p in (attn.q_proj, attn.k_proj)
-    )
+    q, k = (p.view(b, t, -1, d_h).transpose(1, 2).float() for p in (layer.queries(x), layer.keys(x)))
     q, k = apply_rotary_pos_emb(q, k, cos.float(), sin.float())
-    scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * getattr(attn, "scaling", d_h**-0.5)
+    scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * layer.scaling
+    if layer.softcap is not None:
+        scores = layer.softcap * torch.tanh(scores / layer.softcap)
     causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    if layer.sliding_window is not None:
+        causal &= torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1 - layer.sliding_window)
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
 
 
@@ -191,23 +186,19 @@ class ValueSpread(Statistic):
     def attach(self, layers):
         n_h, n_kv, d_h = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
 
-        def hook(total):
-            def fn(attn, args, kwargs):
-                p = attention_probs(attn, self.shape, args, kwargs)
-                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(*x.shape[:2], n_kv, d_h)
-                v = v.transpose(1, 2).float().repeat_interleave(n_h // n_kv, dim=1)
-                w_o = attn.o_proj.weight.float().view(-1, n_h, d_h).transpose(0, 1)  # [n_h, d, d_h]
-                metric = w_o.transpose(1, 2) @ w_o  # [n_h, d_h, d_h] = W_o,h^T W_o,h
-                v_norm = torch.einsum("bhsi,hij,bhsj->bhs", v, metric, v)
-                o = p @ v
-                o_norm = torch.einsum("bhti,hij,bhtj->bht", o, metric, o)
-                spread = (p @ v_norm.unsqueeze(-1)).squeeze(-1) - o_norm  # [B, n_h, T]
-                total.add_(spread.sum(dim=(0, 2)).double().cpu())
+        def fn(i, layer, x, kwargs):
+            p = attention_probs(layer, self.shape, x, kwargs)
+            v = layer.values(x).view(*x.shape[:2], n_kv, d_h)
+            v = v.transpose(1, 2).float().repeat_interleave(n_h // n_kv, dim=1)
+            w_o = layer.o_proj.weight.float().view(-1, n_h, d_h).transpose(0, 1)  # [n_h, d, d_h]
+            metric = w_o.transpose(1, 2) @ w_o  # [n_h, d_h, d_h] = W_o,h^T W_o,h
+            v_norm = torch.einsum("bhsi,hij,bhsj->bhs", v, metric, v)
+            o = p @ v
+            o_norm = torch.einsum("bhti,hij,bhtj->bht", o, metric, o)
+            spread = (p @ v_norm.unsqueeze(-1)).squeeze(-1) - o_norm  # [B, n_h, T]
+            self.total[i].add_(spread.sum(dim=(0, 2)).double().cpu())
 
-            return fn
-
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return self.total / n_tokens
@@ -229,15 +220,12 @@ class AttendedPairStatistic(Statistic):
     def attach(self, layers):
         half = self.shape.head_dim // 2
 
-        def hook(total):
-            def fn(attn, args, kwargs):
-                p = attention_probs(attn, self.shape, args, kwargs)
-                cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
-                total.add_(self.attended(p, cos, sin).double().cpu())
+        def fn(i, layer, x, kwargs):
+            p = attention_probs(layer, self.shape, x, kwargs)
+            cos, sin = (c[0, :, :half].float() for c in kwargs["position_embeddings"])  # [T, half]
+            self.total[i].add_(self.attended(p, cos, sin).double().cpu())
 
-            return fn
-
-        return [attn.register_forward_pre_hook(hook(self.total[i]), with_kwargs=True) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return (self.total / n_tokens).float()
@@ -270,7 +258,8 @@ class AttendedCosine(AttendedPairStatistic):
 class AttentionInputs(Statistic):
     """The attention layers' inputs (the normed hidden states) for the first calibration batches, up to
     `max_tokens` tokens, with each batch's cos/sin: what a converted layer is measured on against the
-    full-rank one. (per layer: a list of [B, T, d] batches; the list of (cos, sin) batches)"""
+    full-rank one. (per layer: a list of [B, T, d] batches; per layer, the (cos, sin) of each batch, which
+    differ between layers in families with per-layer rope bases)"""
 
     name = "attention_inputs"
     max_tokens = 8192
@@ -278,21 +267,16 @@ class AttentionInputs(Statistic):
     def __init__(self, shape):
         super().__init__(shape)
         self.inputs = [[] for _ in range(shape.num_layers)]
-        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rotary: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(shape.num_layers)]
 
     def attach(self, layers):
-        def hook(i):
-            def fn(attn, args, kwargs):
-                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                if sum(b.shape[0] * b.shape[1] for b in self.inputs[i]) >= self.max_tokens:
-                    return
-                self.inputs[i].append(x.detach().float().cpu())
-                if i == 0:
-                    self.rotary.append(tuple(c.detach().float().cpu() for c in kwargs["position_embeddings"]))
+        def fn(i, layer, x, kwargs):
+            if sum(b.shape[0] * b.shape[1] for b in self.inputs[i]) >= self.max_tokens:
+                return
+            self.inputs[i].append(x.detach().float().cpu())
+            self.rotary[i].append(tuple(c.detach().float().cpu() for c in kwargs["position_embeddings"]))
 
-            return fn
-
-        return [attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, attn in enumerate(layers)]
+        return on_inputs(layers, fn)
 
     def result(self, n_seqs, n_tokens):
         return self.inputs, self.rotary
@@ -325,7 +309,7 @@ class Calibration:
         """One forward pass over the batches with every statistic's hooks; their results, in order."""
         if self.batches is None:
             raise ValueError("this conversion needs calibration data (an iterable of input_ids batches)")
-        layers = attention_layers(self.model)
+        layers = source_attentions(self.model, self.shape)
         device = next(self.model.parameters()).device
         hooks = [h for s in statistics for h in s.attach(layers)]
         was_training = self.model.training

@@ -1,4 +1,5 @@
-"""The converted model's config: a Llama config plus the conversion spec and the kept RoPE pairs."""
+"""The converted model's config: the conversion spec, the kept RoPE pairs, the source family's attention facts and
+the source's own config (`base_config`), from which the base architecture is rebuilt around MLA attention."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ class MLAConfig(LlamaConfig):
     everywhere).
     `q_bias`/`kv_bias`/`o_bias` say which attention projections carry a bias (Qwen2 has q/k/v biases, Llama
     none). `absorb` switches decoding to read the latent directly (W_uk folded into the query).
+
+    `base_config` is the source model's config (`to_dict()`, its model_type included): the converted model is
+    that family's stock transformers model with its attention swapped (None: a folder saved before families
+    existed, a Llama). The family's attention facts: `attention_scaling` (None: d_h^-0.5), `attn_softcap` (a
+    tanh cap on the scores), `sliding_windows[layer]`, and its QK-norms `q_norm`/`k_norm` ('head' |
+    'projection' | None) with `qk_norm_eps`. A field the base config has and this one lacks is read from it
+    (the base model's head reads e.g. `final_logit_softcapping` from the top-level config).
     """
 
     model_type = "mha2mla"
@@ -30,6 +38,24 @@ class MLAConfig(LlamaConfig):
     kv_bias: bool = False
     o_bias: bool = False
     absorb: bool = False
+    base_config: dict | None = None
+    attention_scaling: float | None = None
+    attn_softcap: float | None = None
+    sliding_windows: list | None = None
+    q_norm: str | None = None
+    k_norm: str | None = None
+    qk_norm_eps: float = 1e-6
+
+    def __getattr__(self, name: str):
+        base = self.__dict__.get("base_config")
+        if base is not None and not name.startswith("_") and name in base:
+            return base[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def key_norm_scales(self) -> int:
+        """Elements per token and layer cached beside the latent for the key norm (mla/families.py)."""
+        return {None: 0, "head": self.num_key_value_heads, "projection": 1}[self.k_norm]
 
     @property
     def d_kv(self) -> int | None:

@@ -1,4 +1,4 @@
-"""`convert_to_mla`: turn a loaded Llama-family causal LM into its MHA2MLA form."""
+"""`convert_to_mla`: turn a loaded decoder LM of a supported family (mla/families.py) into its MHA2MLA form."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .budget import search_split, search_widths, selection_loss
 from .calibration import Calibration
 from .configuration import MLAConfig
+from .families import SourceAttention, family_of, source_attentions, unsupported_features
 from .layouts import KeySplit, RotatedPairs
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
 from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
 from .modeling import MLAAttention, MLAForCausalLM
 from .nope_keys import apply_nope_keys
 from .rope import ROPE_STRATEGIES
-from .spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, budget_latent_cap, max_d_kv
+from .spec import MLASpec, ModelShape, budget_latent_cap, max_d_kv
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +47,19 @@ _SHARED_CONFIG_FIELDS = (
 
 
 def check_architecture(model: nn.Module) -> None:
-    """Raise ValueError unless `model` is a Llama-family causal LM this converter understands."""
+    """Raise ValueError unless `model` is a causal LM of a family this converter understands, asking for
+    nothing the conversion cannot keep exactly; the message names the architecture and what it lacks."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type == MLAConfig.model_type:
+    if getattr(config, "model_type", None) == MLAConfig.model_type:
         raise ValueError("this model is already an MHA2MLA model")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r}: convert_to_mla handles Llama-family causal LMs "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    family_of(config)
+    problems = unsupported_features(config)
+    if problems:
+        raise ValueError(f"{config.model_type!r} model not convertible: {'; '.join(problems)}")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} is not a causal LM with model.layers and lm_head")
-    for attn in (layer.self_attn for layer in layers):
-        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise ValueError(f"{type(attn).__name__} lacks separate q/k/v/o projections")
-        if (attn.k_proj.bias is None) != (attn.v_proj.bias is None):
-            raise ValueError("k_proj and v_proj must both have a bias or both have none")
-    window = getattr(config, "sliding_window", None)
-    if window and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-        log.warning("sliding-window attention (window %s) is converted to full attention", window)
+    source_attentions(model, ModelShape.from_config(config))  # each layer's projections and norms read
 
 
 def convert_to_mla(
@@ -88,7 +80,9 @@ def convert_to_mla(
     calibration: Iterable | None = None,
     selection: Iterable | None = None,
 ) -> MLAForCausalLM:
-    """Convert a Llama/Mistral/Qwen2 causal LM (MHA or GQA) to MLA; see METHOD.md and docs/ARCHITECTURE.md.
+    """Convert a causal LM (MHA or GQA) of a supported family (mla/families.py: Llama, Mistral, Qwen2/3 and
+    their MoE, OLMo-2, Gemma-2/3, Phi-3) to MLA; see METHOD.md and docs/ARCHITECTURE.md. Everything but the
+    attention stays the family's own.
 
     rope: a registered RoPE strategy (full | none | high | low | uniform | 2-norm | rorope | ...), keeping
     `r` frequency pairs per KV head. svd: joint | split | none, with latent width `d_kv` per KV head;
@@ -168,7 +162,7 @@ def _assemble(
     """The MLA model for the rope `selections` of every layer, latents of `widths` (None: n_kv*d_kv) and the
     init's NoPE-key weight times `key_weight`."""
     shape = ModelShape.from_config(model.config)
-    layers = [layer.self_attn for layer in model.model.layers]
+    layers = source_attentions(model, shape)
     splits = [sel.split(attn, shape) for sel, attn in zip(selections, layers)]
     splits = apply_nope_keys(spec.nope_keys, splits, selections, shape, calib)
     latents = None
@@ -178,7 +172,7 @@ def _assemble(
             for i, (split, attn) in enumerate(zip(splits, layers))
         ]
         latents = low_rank_latents(model, problems, spec, calib, widths, key_weight)
-    config = build_mla_config(model, spec, splits, None if latents is None else [x.width for x in latents])
+    config = build_mla_config(model, layers, spec, splits, None if latents is None else [x.width for x in latents])
     if latents and any(x.choice for x in latents):
         config.mla["init_choices"] = [x.choice for x in latents]
     if spec.kv_elements is not None:
@@ -200,22 +194,29 @@ def _assemble(
         mla.lm_head.weight = mla.model.embed_tokens.weight
     if missing or unexpected:
         raise RuntimeError(f"conversion left weights unmatched: missing={missing} unexpected={unexpected}")
-    rebuild_buffers(mla, device=next(model.parameters()).device)
+    rebuild_buffers(mla, model)
     mla.eval() if not model.training else mla.train()
     return mla
 
 
 def build_mla_config(
-    model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int] | None = None
+    model: nn.Module,
+    layers: list[SourceAttention],
+    spec: MLASpec,
+    splits: list[KeySplit],
+    widths: list[int] | None = None,
 ) -> MLAConfig:
     src = model.config
     shape = ModelShape.from_config(src)
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
-    attn = model.model.layers[0].self_attn
+    if not _llama_rope(fields.get("rope_parameters")):  # per-layer-type rope (Gemma-3): the base model's own
+        fields.pop("rope_parameters", None)
+    first = layers[0]
     mla_meta = spec.to_dict() | {
         "source_model_type": src.model_type,
         "source_name_or_path": getattr(src, "_name_or_path", ""),
     }
+    windows = [attn.sliding_window for attn in layers]
     config = MLAConfig(
         **fields,
         mlp_bias=getattr(src, "mlp_bias", False),
@@ -223,14 +224,25 @@ def build_mla_config(
         rope_pairs=[split.pairs for split in splits],
         rope_layout=splits[0].layout,
         latent_dims=widths if widths and set(widths) != {shape.num_kv_heads * (spec.d_kv or 0)} else None,
-        q_bias=attn.q_proj.bias is not None,
-        kv_bias=attn.k_proj.bias is not None,
-        o_bias=attn.o_proj.bias is not None,
+        q_bias=first.q_proj.bias is not None,
+        kv_bias=first.k_proj.bias is not None,
+        o_bias=first.o_proj.bias is not None,
+        base_config=src.to_dict(),
+        attention_scaling=first.scaling if first.scaling != shape.head_dim**-0.5 else None,
+        attn_softcap=first.softcap,
+        sliding_windows=windows if any(windows) else None,
+        q_norm=first.q_norm.kind if first.q_norm else None,
+        k_norm=first.k_norm.kind if first.k_norm else None,
+        qk_norm_eps=(first.k_norm or first.q_norm).eps if (first.k_norm or first.q_norm) else 1e-6,
         architectures=["MLAForCausalLM"],
     )
     config._attn_implementation = src._attn_implementation
     config.dtype = next(model.parameters()).dtype
     return config
+
+
+def _llama_rope(rope) -> bool:
+    return isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values())
 
 
 @dataclass
@@ -321,13 +333,13 @@ class LayerMeter:
 
     def __init__(self, model: nn.Module, spec: MLASpec, splits: list[KeySplit], widths: list[int], calib: Calibration):
         self.inputs, self.rotary = calib.get("attention_inputs")
-        self.sources = [layer.self_attn for layer in model.model.layers]
+        self.sources = source_attentions(model, ModelShape.from_config(model.config))
         self.splits = splits
         self.full = replace(spec, svd="none", d_kv=None, init="weight", allocation="uniform")
         self.spec = spec
         self.configs = {
-            self.full: build_mla_config(model, self.full, splits),
-            spec: build_mla_config(model, spec, splits, widths),
+            self.full: build_mla_config(model, self.sources, self.full, splits),
+            spec: build_mla_config(model, self.sources, spec, splits, widths),
         }
         self.references: dict[int, list[torch.Tensor]] = {}
 
@@ -339,7 +351,7 @@ class LayerMeter:
         attn.load_state_dict(attention_weights(source, self.splits[layer], spec, latent))
         attn.reset_buffers(device)
         outputs = []
-        for x, (cos, sin) in zip(self.inputs[layer], self.rotary):
+        for x, (cos, sin) in zip(self.inputs[layer], self.rotary[layer]):
             t = x.shape[1]
             causal = torch.full((t, t), float("-inf"), device=device).triu(1)[None, None]
             x = x.to(device=device, dtype=attn.q_proj.weight.dtype)
@@ -366,7 +378,7 @@ def _embed(split: KeySplit, k_up: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def attention_weights(
-    attn: nn.Module, split: KeySplit, spec: MLASpec, latent: Latent | None
+    attn: SourceAttention, split: KeySplit, spec: MLASpec, latent: Latent | None
 ) -> dict[str, torch.Tensor]:
     """The MLA attention weights of one layer, keyed by MLAAttention's parameter names."""
     out: dict[str, torch.Tensor] = {
@@ -374,6 +386,13 @@ def attention_weights(
         "k_rope_proj.weight": split.rope_weight,
         "o_proj.weight": attn.o_proj.weight,
     }
+    if attn.q_norm is not None:  # the query norm's gain, in q_weight's row order
+        gain = attn.q_norm.gain.view(-1, attn.shape.head_dim)
+        if split.q_rows is not None:
+            gain = gain[torch.arange(gain.shape[0])[:, None], split.q_rows]
+        out["q_norm_gain"] = gain.reshape(-1).to(split.q_weight.dtype)
+    if attn.k_scale_proj is not None:
+        out["k_scale_proj.weight"] = attn.k_scale_proj.weight
     for name, bias in (("q_proj", split.q_bias), ("k_rope_proj", split.rope_bias), ("o_proj", attn.o_proj.bias)):
         if bias is not None:
             out[f"{name}.bias"] = bias
@@ -395,8 +414,14 @@ def attention_weights(
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def rebuild_buffers(mla: MLAForCausalLM, device) -> None:
-    """Recreate the non-persistent buffers that a meta-device construction leaves empty."""
-    mla.model.rotary_emb = LlamaRotaryEmbedding(mla.config).to(device)
+def rebuild_buffers(mla: MLAForCausalLM, source: nn.Module) -> None:
+    """Recreate the non-persistent buffers that a meta-device construction leaves empty: the base family's own
+    (rotary frequencies, embedding scale) are the source model's, the MLA layers' are recomputed."""
+    device = next(source.parameters()).device
+    source_buffers = dict(source.named_buffers())
+    for name, buffer in list(mla.named_buffers()):
+        if buffer.is_meta and name in source_buffers:
+            module, _, attr = name.rpartition(".")
+            mla.get_submodule(module)._buffers[attr] = source_buffers[name].detach().clone()
     for layer in mla.model.layers:
         layer.self_attn.reset_buffers(device)

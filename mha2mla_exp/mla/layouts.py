@@ -47,6 +47,7 @@ class KeySplit:
     nope_embed: torch.Tensor | None
     nope_query_index: torch.Tensor  # [n_kv, nope_dim]
     q_rope_scale: torch.Tensor | None = None  # shared layout: [n_h, n_kv*r], U_f[g(h), c] per kept pair
+    q_rows: torch.Tensor | None = None  # [n_h, d_h]: the source's query dims in q_weight's row order (None: as is)
 
     @property
     def nope_dim(self) -> int:
@@ -101,6 +102,7 @@ class HeadPairs:
             nope_bias,
             None,
             nope,
+            q_rows=perm,
         )
 
     def nope_readers(self, shape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The MHA2MLA model: Llama blocks whose attention caches a low-rank latent plus partial-RoPE keys.
+"""The MHA2MLA model: the source family's own model with attention that caches a low-rank latent plus partial-RoPE
+keys.
 
 Layout inside `MLAAttention` (per layer); `rope_layout` (mla/layouts.py) decides how the keys keep RoPE:
 - 'per_head' (MHA2MLA): `k_rope_proj` gives each KV head's kept RoPE dims (`n_kv*2r`), read by the query
@@ -13,6 +14,13 @@ Layout inside `MLAAttention` (per layer); `rope_layout` (mla/layouts.py) decides
   only the 'shared' layout has one (the fixed map from compact coordinates to d_h-dim keys).
 - `v_up_proj` (W_uv): latent (or its second half under 'split') -> values of all KV heads; none under svd='none'.
 - `o_proj`: unchanged.
+- QK-norm families (mla/families.py): `q_norm_gain` is the query norm's gain in q_proj's row order; the key
+  norm's gain is folded into the key rows, and `k_scale_proj` (the raw key projection) gives 1/rms(raw key) per
+  token and norm group, which multiplies the rope key before it is cached and the NoPE keys (or, absorbed, their
+  scores) after; it is cached as `key_norm_scales` trailing columns of the latent.
+
+Around the attention everything is the base architecture's: `MLAForCausalLM` builds the source family's stock
+transformers model from `config.base_config` and swaps its attention modules (`base_causal_lm`).
 
 This file and the modules it imports relatively are copied into every saved folder (remote code): they
 import each other flat and nothing else from this package.
@@ -24,17 +32,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import CONFIG_MAPPING, GenerationMixin
 from transformers import initialization as init
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     eager_attention_forward,
     rotate_half,
 )
@@ -42,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
 from .cache import LatentCache, QuantizedLatentCache
 from .configuration import MLAConfig
 from .decode_dispatch import absorbed_decode
+from .families import apply_norm, rms_scale
 
 
 class MLAAttention(nn.Module):
@@ -53,7 +58,9 @@ class MLAAttention(nn.Module):
         self.num_heads = n_h = config.num_attention_heads
         self.num_kv_heads = n_kv = config.num_key_value_heads
         self.num_key_value_groups = n_h // n_kv
-        self.scaling = d_h**-0.5
+        self.scaling = config.attention_scaling or d_h**-0.5
+        self.softcap = config.attn_softcap
+        self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
@@ -88,6 +95,9 @@ class MLAAttention(nn.Module):
             self.k_up_proj = nn.Linear(k_in, n_kv * self.nope_dim, bias=config.kv_bias)
             self.v_up_proj = nn.Linear(v_in, n_kv * d_h, bias=config.kv_bias)
         self.o_proj = nn.Linear(n_h * d_h, d, bias=config.o_bias)
+        self.q_norm_gain = nn.Parameter(torch.ones(n_h * d_h)) if config.q_norm else None
+        self.k_scale_proj = nn.Linear(d, n_kv * d_h, bias=False) if config.k_norm else None
+        self.key_scales = config.key_norm_scales  # cached after the latent
 
     def _rope_index(self, device=None) -> torch.Tensor:
         """Per rope key head, the head dims whose RoPE frequencies its dims take: kept pairs f, then f + d_h/2."""
@@ -115,10 +125,18 @@ class MLAAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         b, t, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        q_rope, q_nope = self._split_query(q)
+        q = self.q_proj(hidden_states)
+        if self.q_norm_gain is not None:
+            q = apply_norm(q, self.config.q_norm, self.head_dim, self.config.qk_norm_eps, self.q_norm_gain)
+        q_rope, q_nope = self._split_query(q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2))
         k_rope = self.k_rope_proj(hidden_states).view(b, t, self.rope_heads, self.rope_dim).transpose(1, 2)
         latent = self.kv_down_proj(hidden_states).unsqueeze(1)  # [B, 1, T, latent]
+        if self.key_scales:  # 1/rms(raw key) per token and norm group, cached after the latent
+            scales = rms_scale(
+                self.k_scale_proj(hidden_states), self.config.k_norm, self.head_dim, self.config.qk_norm_eps
+            )
+            k_rope = (k_rope.float() * scales.transpose(1, 2)[..., None]).to(k_rope.dtype)
+            latent = torch.cat([latent, scales.to(latent.dtype).unsqueeze(1)], dim=-1)
         if self.rope_dim:
             q_rope, k_rope = self._rotate(q_rope, k_rope, *position_embeddings)
 
@@ -149,8 +167,18 @@ class MLAAttention(nn.Module):
         if self.v_up_proj is not None:
             v = self.v_up_proj(v)
         k_nope = k_nope.view(b, s, self.num_kv_heads, self.nope_dim).transpose(1, 2)
+        if self.key_scales:
+            k_nope = (k_nope.float() * self._key_scales(latent, self.num_kv_heads)).to(k_nope.dtype)
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k_nope, v
+
+    def _key_scales(self, latent: torch.Tensor, heads: int) -> torch.Tensor:
+        """The cached 1/rms(raw key) [B, heads, S, 1] (float32) for `heads` KV or query heads; one norm group
+        ('projection') serves them all."""
+        scales = latent.squeeze(1)[..., self.latent_dim :].float().transpose(1, 2)  # [B, groups, S]
+        if scales.shape[1] != 1:
+            scales = scales.repeat_interleave(heads // scales.shape[1], dim=1)
+        return scales[..., None]
 
     def _expanded_attention(self, q_rope, q_nope, k_rope, latent, attention_mask, **kwargs):
         k_nope, v = self.expand_latent(latent)
@@ -158,6 +186,8 @@ class MLAAttention(nn.Module):
         if self.shared_rope:  # the one rope key beside every KV head's NoPE key
             k_rope = k_rope.expand(-1, self.num_kv_heads, -1, -1)
         key = torch.cat([k_rope, k_nope], dim=-1)
+        if self.softcap is not None:  # SDPA and flash kernels know no soft cap: the scores are formed here
+            return _softcapped_attention(self, query, key, v, attention_mask)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -169,6 +199,7 @@ class MLAAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )
         return out  # [B, T, n_h, d_h]
@@ -178,7 +209,8 @@ class MLAAttention(nn.Module):
         to the attended latent. The k_up bias adds q_nope.b_k to every score of a query, a constant
         that softmax cancels, so it is dropped."""
         b, n_h, t, _ = q_nope.shape
-        if t == 1 and attention_mask is None:  # decode: one fused pass over the cache (Triton on CUDA)
+        fused = not self.key_scales and self.softcap is None  # the fused pass knows neither
+        if t == 1 and attention_mask is None and fused:  # decode: one fused pass over the cache (Triton on CUDA)
             q_latent = self._fold_query(q_nope).to(latent.dtype)
             attended = absorbed_decode(
                 q_rope.reshape(b, n_h, self.rope_dim),
@@ -218,6 +250,8 @@ class MLAAttention(nn.Module):
         mask = attention_mask[..., :s] if isinstance(attention_mask, torch.Tensor) else attention_mask
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise NotImplementedError(f"absorbed MLA attention does not support a {type(mask).__name__} mask")
+        if self.key_scales:
+            key_scales = self._key_scales(latent, n_h).transpose(-1, -2)  # [B, n_h, 1, S]
         rows = max(1, ABSORBED_SCORE_BUDGET_BYTES // (2 * 4 * b * n_h * s))  # fp32 scores + probabilities
         chunks = []
         with torch.autocast(latent.device.type, enabled=False):  # autocast would round the products to 16 bits
@@ -225,10 +259,12 @@ class MLAAttention(nn.Module):
                 t1 = min(t, t0 + rows)
                 q_latent = self._fold_query(q_nope[:, :, t0:t1].float())  # [B, n_h, tc, L_k]
                 scores = torch.matmul(q_latent.reshape(b, n_h * (t1 - t0), -1), c_k_t).view(b, n_h, t1 - t0, s)
+                if self.key_scales:  # a NoPE score is 1/rms(raw key) times q~.c
+                    scores = scores * key_scales
                 if self.rope_dim:  # query heads grouped by the rope key head they read
                     rope_q = q_rope[:, :, t0:t1].float().reshape(b, self.rope_heads, -1, self.rope_dim)
                     scores = scores + torch.matmul(rope_q, k_rope_t).view(b, n_h, t1 - t0, s)
-                scores = _mask_query_rows(scores * self.scaling, mask, t0, t)
+                scores = _mask_query_rows(_cap(scores * self.scaling, self.softcap), mask, t0, t)
                 probs = torch.softmax(scores, dim=-1)
                 chunks.append(torch.matmul(probs.view(b, n_h * (t1 - t0), s), c_v).view(b, n_h, t1 - t0, -1))
         return torch.cat(chunks, dim=2)
@@ -272,61 +308,91 @@ def _mask_query_rows(scores: torch.Tensor, mask, row_start: int, rows_total: int
     return scores + mask
 
 
-class MLADecoderLayer(GradientCheckpointingLayer):
-    """A Llama decoder layer with MLA attention; the forward is Llama's."""
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2's score soft cap: cap * tanh(scores / cap)."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
 
-    def __init__(self, config: MLAConfig, layer_idx: int):
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.self_attn = MLAAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    forward = LlamaDecoderLayer.forward
+def _softcapped_attention(attn: MLAAttention, query, key, value, attention_mask) -> torch.Tensor:
+    """Expanded attention with a soft cap on the scores, float32 scores and softmax; [B, T, n_h, d_h]."""
+    g = attn.num_key_value_groups
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * attn.scaling
+    mask = attention_mask[..., : key.shape[-2]] if isinstance(attention_mask, torch.Tensor) else attention_mask
+    probs = torch.softmax(_mask_query_rows(_cap(scores, attn.softcap), mask, 0, query.shape[-2]), dim=-1)
+    probs = nn.functional.dropout(probs, p=attn.attention_dropout if attn.training else 0.0)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)
+
+
+def base_causal_lm(config: MLAConfig) -> nn.Module:
+    """The source family's stock causal LM for `config.base_config` (a Llama for folders saved before it
+    existed), its attention modules swapped for MLA ones."""
+    if config.base_config is None:
+        base = LlamaForCausalLM(config)
+    else:
+        fields = dict(config.base_config)
+        base_config = CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)
+        base_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
+        try:  # the attention implementation asked for, if the family takes it (Gemma-2 refuses SDPA)
+            base_config._attn_implementation = config._attn_implementation
+            base = base_class(base_config)
+        except ValueError:
+            base_config._attn_implementation = None
+            base = base_class(base_config)
+        config._attn_implementation = base.config._attn_implementation  # its masks are made for it
+    for i, layer in enumerate(base.model.layers):
+        layer.self_attn = MLAAttention(config, i)
+    family_init = base.model._init_weights  # transformers initialises a sub-model with its own _init_weights
+
+    def init_weights(module):
+        init_mla_attention(module) if isinstance(module, MLAAttention) else family_init(module)
+
+    base.model._init_weights = init_weights
+    return base
+
+
+def init_mla_attention(module: MLAAttention) -> None:
+    """An MLA attention's config-derived buffer and its parameters' neutral values (weights are loaded)."""
+    init.copy_(module.rope_index, module._rope_index(module.rope_index.device))
+    if module.q_rope_scale is not None:
+        init.ones_(module.q_rope_scale)
+    if module.q_norm_gain is not None:
+        init.ones_(module.q_norm_gain)
 
 
 class MLAPreTrainedModel(LlamaPreTrainedModel):
     config: MLAConfig
     config_class = MLAConfig
-    _no_split_modules = ["MLADecoderLayer"]
     _supports_flex_attn = False
-    _can_record_outputs = {"hidden_states": MLADecoderLayer, "attentions": MLAAttention}
+    _can_record_outputs = {"attentions": MLAAttention}
 
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, MLAAttention):  # a non-persistent buffer derived from the config
-            init.copy_(module.rope_index, module._rope_index(module.rope_index.device))
-            if module.q_rope_scale is not None:
-                init.ones_(module.q_rope_scale)
+    def _init_weights(self, module):  # the head's modules; `model`'s are the family's (`base_causal_lm`)
+        self._base_class._init_weights(self, module)
 
 
-class MLAModel(MLAPreTrainedModel, LlamaModel):
+class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
+    """The base family's causal LM with MLA attention: its `model` and `lm_head` are the stock model's, and its
+    forward is the stock class's (logit soft-capping, MoE router losses). Called without a cache, `forward`
+    uses a `LatentCache` (never transformers' DynamicCache, which would not know k_rope may be empty)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # every supported family's
+
     def __init__(self, config: MLAConfig):
         MLAPreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
+        base = base_causal_lm(config)
+        self._base_class = type(base)
+        self._no_split_modules = base._no_split_modules
+        for name, value in vars(base).items():  # the head's plain attributes (vocab_size, MoE router settings)
+            if not name.startswith("_") and name not in ("config", "training"):
+                setattr(self, name, value)
+        self.model, self.lm_head = base.model, base.lm_head
         self.post_init()
 
     def forward(self, *args, cache=None, use_cache=None, **kwargs):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
-            cache = LatentCache()  # never transformers' DynamicCache, which would not know k_rope may be empty
-        return LlamaModel.forward(self, *args, cache=cache, use_cache=use_cache, **kwargs)
-
-
-class MLAForCausalLM(MLAPreTrainedModel, LlamaForCausalLM):
-    def __init__(self, config: MLAConfig):
-        MLAPreTrainedModel.__init__(self, config)
-        self.model = MLAModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+            cache = LatentCache()
+        return self._base_class.forward(self, *args, cache=cache, use_cache=use_cache, **kwargs)
 
     def set_absorb(self, absorb: bool = True) -> "MLAForCausalLM":
         """Switch between absorbed (latent-space) and expanded attention; returns self."""

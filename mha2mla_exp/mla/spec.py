@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from . import nope_keys as nope
+from .families import FAMILIES
 from .lowrank_init import LOWRANK_INITS
 from .rope import ROPE_STRATEGIES
 
@@ -19,29 +20,37 @@ SIGMA_PLACEMENTS = ("up", "sqrt")
 # the latent width: the same in every layer; the same total spread by singular energy (d_kv); or, under a KV
 # budget, the same total spread by the whole model's measured loss (mla/budget.py)
 ALLOCATIONS = ("uniform", "global", "measured")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape facts of a Llama-family model that a conversion depends on."""
+    """The shape facts of a decoder that a conversion depends on; `key_norm` is its family's QK-norm over
+    the keys ('head' | 'projection' | None, mla/families.py)."""
 
     num_layers: int
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    key_norm: str | None = None
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        family = FAMILIES.get(getattr(config, "model_type", None))
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
+            key_norm=family.qk_norm if family is not None else getattr(config, "k_norm", None),
         )
+
+    @property
+    def key_norm_scales(self) -> int:
+        """Elements per token and layer cached beside the latent for the key norm: 1/rms of each norm group."""
+        return {None: 0, "head": self.num_kv_heads, "projection": 1}[self.key_norm]
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,13 @@ class MLASpec:
             raise ValueError(f"head_dim={shape.head_dim} is odd; RoPE needs an even head dimension")
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"num_heads={shape.num_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
+        if strategy.layout == "shared" and shape.key_norm == "head" and shape.num_kv_heads > 1:
+            raise ValueError(
+                f"rope={rope!r} mixes the KV heads at each frequency into one shared rope key, but this model "
+                "normalises each KV head's key by its own rms: the mixed keys are not one latent times one scalar "
+                "per token, so the conversion could not be exact. Use a per-head strategy (2-norm, high, low, "
+                "uniform, ...)"
+            )
         if kv_elements is not None or rope_pairs is not None:  # r has no meaning: the budget's split decides
             _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs)
             return cls(
@@ -237,12 +253,13 @@ def max_d_kv(shape: ModelShape, r: int, svd: str) -> int:
 
 
 def kv_elements_per_token(shape: ModelShape, spec: MLASpec) -> int:
-    """Cached elements per token and layer: k_rope (n_kv*2r) plus the latent (n_kv*d_kv), or the budget."""
+    """Cached elements per token and layer: k_rope (n_kv*2r) plus the latent (n_kv*d_kv), or the budget; plus,
+    under a key norm, its 1/rms per norm group (`key_norm_scales`)."""
     if spec.kv_elements is not None:
-        return spec.kv_elements
+        return spec.kv_elements + shape.key_norm_scales
     n_kv, d_h = shape.num_kv_heads, shape.head_dim
     latent = n_kv * spec.d_kv if spec.svd != "none" else n_kv * (2 * d_h - 2 * spec.r)
-    return n_kv * 2 * spec.r + latent
+    return n_kv * 2 * spec.r + latent + shape.key_norm_scales
 
 
 def kv_ratio(shape: ModelShape, spec: MLASpec) -> float:

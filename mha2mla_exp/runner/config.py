@@ -14,8 +14,9 @@ from omegaconf import DictConfig
 from ..confutil import typed_section
 from ..data.sources import check_data_config, mixture_parts, probe_hub_datasets
 from ..evaluation.kv import KVQuant
+from ..mla.families import SUPPORTED_MODEL_TYPES
 from ..mla.lowrank import FACTOR_SPLIT
-from ..mla.spec import SUPPORTED_MODEL_TYPES, MLASpec, ModelShape, default_r
+from ..mla.spec import MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..schema.identity import digest, evaluation_identity, setting_identity, trained_identity
 from ..schema.sections import (
@@ -262,6 +263,7 @@ def _model_shape(model: ModelConfig, saved) -> ModelShape:
         num_heads=int(facts.num_heads),
         num_kv_heads=int(facts.num_kv_heads),
         head_dim=int(facts.head_dim),
+        key_norm=facts.key_norm,
     )
 
 
@@ -475,8 +477,8 @@ def _check_architecture(model: ModelConfig) -> list[str]:
     model_type, notes = probe_architecture(model)
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"model.id: {model.id!r} is a {model_type!r} model; the MLA conversion handles "
-            f"Llama-family causal LMs ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"model.id: {model.id!r} is a {model_type!r} model; the MLA conversion handles the decoder "
+            f"families {', '.join(SUPPORTED_MODEL_TYPES)} (mla/families.py)"
         )
     return notes
 

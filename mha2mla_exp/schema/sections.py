@@ -47,6 +47,11 @@ class ShapeConfig:
     head_dim: int = setting(doc="dimensions per head", check=positive)
     rope_base: float = setting(10000.0, "RoPE base frequency", check=positive)
     context_length: Optional[int] = setting(None, "the pretrained context window", check=positive)
+    key_norm: Optional[str] = setting(
+        None,
+        "the family's QK-norm over keys: head (Qwen3, Gemma-3) | projection (OLMo-2) | null; its 1/rms is cached",
+        check=one_of(None, "head", "projection"),
+    )
 
 
 @dataclass

@@ -33,6 +33,7 @@ class RopeStrategy(Registered):
     # True: it ranks pairs for one rope key shared by the heads (`ranked`), so a layer can keep any number of
     # them, as a KV budget split between rope dims and latent asks (mla/budget.py)
     any_pair_count: ClassVar[bool] = False
+    layout: ClassVar[str] = "per_head"  # the layout of its selections (mla/layouts.py): per_head | shared
 
     def needs(self, score: str) -> tuple[str, ...]:
         """The calibration statistics `select` reads under `score` (by default `statistics`)."""

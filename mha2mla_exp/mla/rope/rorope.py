@@ -68,6 +68,7 @@ class RoRoPE(PairScored):
     name = "rorope"
     statistics = ("pair_norms", "key_pair_moments")
     any_pair_count = True  # one shared rope key: a layer may keep any number of rotated pairs, not n_kv*r
+    layout = "shared"
 
     def select(self, shape, r, score, calibration):
         return [RotatedPairs(u, order[: shape.num_kv_heads * r]) for u, order in self.ranked(shape, score, calibration)]
