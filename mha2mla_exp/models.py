@@ -57,6 +57,16 @@ def check_model_config(model: ModelConfig) -> None:
             )
         if model.vocab_size is None:
             raise ValueError("model.vocab_size: source 'random' needs a vocabulary size")
+        from .mla.families import FAMILIES
+
+        if model.family not in FAMILIES:
+            raise ValueError(f"model.family: {model.family!r} is not a family we convert ({', '.join(FAMILIES)})")
+        norm = FAMILIES[model.family].qk_norm
+        if model.shape.key_norm != norm:
+            raise ValueError(
+                f"model.shape.key_norm: family {model.family!r} normalises its keys "
+                f"{'per ' + norm if norm else 'not at all'}; set key_norm: {norm or 'null'}"
+            )
         return
     model_id = model.id
     if not model_id or not model_id.strip():
@@ -195,7 +205,7 @@ def probe_architecture(model_cfg: ModelConfig) -> tuple[str | None, list[str]]:
     """
     source, model_id = model_cfg.source, model_cfg.id
     if source == "random":
-        return "llama", []
+        return model_cfg.family, []
     if source == "local":
         import json
 
@@ -286,15 +296,22 @@ def byte_tokenizer(model_max_length: int = 2048):
 
 
 def build_random_model(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32):
-    """A seeded random LlamaForCausalLM from the config's shape block, with the byte-level tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A seeded random causal LM of `model.family` (a Llama by default) from the config's shape block, with the
+    byte-level tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .mla.families import FAMILIES
 
     shape = model_cfg.shape
     tokenizer = byte_tokenizer(model_max_length=int(shape.context_length))
     vocab = int(model_cfg.vocab_size)
+    rope = {"rope_type": "default", "rope_theta": float(shape.rope_base)}
+    if FAMILIES[model_cfg.family].rope_per_layer_type:  # shape.rope_base is the global layers' base
+        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     if vocab < len(tokenizer):
         raise ValueError(f"model.vocab_size: {vocab} is smaller than the byte-level tokenizer's {len(tokenizer)}")
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_cfg.family,
         vocab_size=vocab,
         hidden_size=shape.hidden_size,
         intermediate_size=model_cfg.intermediate_size or 4 * shape.hidden_size,
@@ -303,7 +320,7 @@ def build_random_model(model_cfg: ModelConfig, dtype: torch.dtype = torch.float3
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         max_position_embeddings=shape.context_length,
-        rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_base)},
+        rope_parameters=rope,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -311,5 +328,5 @@ def build_random_model(model_cfg: ModelConfig, dtype: torch.dtype = torch.float3
     )
     with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's RNG stream
         torch.manual_seed(int(model_cfg.seed))
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype), tokenizer

@@ -3,12 +3,14 @@ formula says, keeps its base architecture, and refuses clearly what it cannot co
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from family_models import FAMILIES, tiny_family_lm
-from test_mla_remote_code import greedy, load_in_fresh_interpreter
+from test_mla_remote_code import greedy, lm_eval_matches_ours, load_in_fresh_interpreter
 
 import mha2mla_exp  # noqa: F401  (registers the model type)
+from mha2mla_exp.bench.family_models import FAMILIES, tiny_family_lm
 from mha2mla_exp.mla import (
     LOWRANK_INITS,
     ROPE_STRATEGIES,
@@ -22,6 +24,7 @@ from mha2mla_exp.mla.cache import LatentCache
 from mha2mla_exp.mla.calibration import Calibration
 from mha2mla_exp.mla.spec import MLASpec
 
+ROOT = Path(__file__).resolve().parents[1]
 HALF = 8  # head_dim 16
 QK_NORM = {"qwen3", "qwen3_moe", "olmo2", "gemma3_text"}
 
@@ -204,3 +207,64 @@ def test_an_unsupported_architecture_is_named():
     )
     with pytest.raises(ValueError, match="unsupported architecture 'gpt_neox'.*qwen3.*phi3"):
         convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
+def test_lm_eval_runs_on_the_saved_folder_of_a_family(family, tmp_path, monkeypatch):
+    """QK-norm, soft cap with sliding windows, MoE: lm-eval's hf model loads each with remote code."""
+    from mha2mla_exp.models import byte_tokenizer
+
+    monkeypatch.setenv("MHA2MLA_EVAL_TASKS", str(tmp_path / "eval_tasks"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # lm-eval's batching must be deterministic for the exact comparison
+    try:
+        model = tiny_family_lm(family, vocab_size=320, max_position_embeddings=512)
+        mla = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4)
+        lm_eval_matches_ours(mla, byte_tokenizer(model_max_length=512), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def test_a_folder_saved_before_families_loads_as_a_llama(tmp_path, rows):
+    """Folders saved before `base_config` existed have none: they are Llamas, built as before."""
+    from conftest import tiny_causal_lm
+    from transformers import AutoModelForCausalLM
+
+    mla = convert_to_mla(tiny_causal_lm("gqa"), rope="high", r=2, svd="joint", d_kv=6)
+    mla.config.base_config = None
+    mla.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded.model).__name__ == "LlamaModel"
+    assert max_diff(loaded(rows).logits, mla(rows).logits) == 0
+
+
+@pytest.mark.parametrize("family, key_norm", [("qwen3", "head"), ("olmo2", "projection"), ("gemma2", "null")])
+def test_the_runner_converts_trains_and_measures_a_random_model_of_a_family(tmp_path, family, key_norm):
+    """model.family builds a tiny random model of any family: conversion, fine-tuning and the measured cache
+    run through the runner as for a Llama; the cache holds what the formula (key-norm scalars included) says."""
+    from hydra import compose, initialize_config_dir
+
+    from mha2mla_exp.runner import run, validate
+
+    overrides = ["+experiment=smoke", "rope.r=2", "svd.d_kv=8", f"results_dir={tmp_path}"]
+    overrides += [f"model.family={family}", f"model.shape.key_norm={key_norm}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    plan = validate(cfg)
+    assert plan.shape.key_norm_scales == {"head": 2, "projection": 1, "null": 0}[key_norm]
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    assert record["kv"]["ratio_measured"] == pytest.approx(record["kv"]["ratio_nominal"], rel=1e-9)
+
+
+def test_a_random_model_whose_key_norm_disagrees_with_its_family_is_refused_before_loading(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner.config import ConfigError
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=smoke", "model.family=qwen3"])
+    with pytest.raises(ConfigError, match="model.shape.key_norm: family 'qwen3' normalises its keys per head"):
+        validate(cfg)

@@ -80,13 +80,18 @@ def _offline_tasks(tmp_path, monkeypatch):
 
 
 def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path, _offline_tasks):
+    model, tokenizer = tiny
+    lm_eval_matches_ours(convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4), tokenizer, tmp_path)
+
+
+def lm_eval_matches_ours(mla, tokenizer, tmp_path: Path) -> None:
+    """lm-eval's `--model hf` on the saved folder, in an interpreter without this package, scores two offline
+    tasks exactly as our own evaluation of `mla` does."""
     from mha2mla_exp.evaluation.commonsense import COLUMNS, CommonsenseConfig, evaluate_commonsense, task_names
     from mha2mla_exp.evaluation.fixtures import commonsense_tree
     from mha2mla_exp.evaluation.lm import EvalLM
     from mha2mla_exp.evaluation.tasks import sample_indices
 
-    model, tokenizer = tiny
-    mla = convert_to_mla(model, rope="high", r=2, svd="joint", d_kv=4)
     cfg = CommonsenseConfig(
         limit=6,
         sample="random",

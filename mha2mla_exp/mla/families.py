@@ -33,6 +33,7 @@ class Family:
     qk_norm: str | None = None  # None | 'head' | 'projection'
     norm_offset: float = 0.0  # the norm's gain is offset + weight (Gemma: 1 + w)
     fused_qkv: bool = False  # one `qkv_proj`, rows [q | k | v] (Phi-3)
+    rope_per_layer_type: bool = False  # rope parameters per layer type (Gemma-3: full / sliding attention)
 
 
 FAMILIES: dict[str, Family] = {
@@ -45,7 +46,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm="head"),
     "olmo2": Family(qk_norm="projection"),
     "gemma2": Family(),
-    "gemma3_text": Family(qk_norm="head", norm_offset=1.0),
+    "gemma3_text": Family(qk_norm="head", norm_offset=1.0, rope_per_layer_type=True),
     "phi3": Family(fused_qkv=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

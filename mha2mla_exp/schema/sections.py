@@ -99,6 +99,7 @@ class ModelConfig:
     vocab_size: Optional[int] = setting(None, "random models: vocabulary", check=positive)
     intermediate_size: Optional[int] = setting(None, "random models: MLP width", check=positive)
     seed: int = setting(0, "random models: the weights' seed")
+    family: str = setting("llama", "random models: the family (transformers model_type) built, mla/families.py")
     paper_name: Optional[str] = setting(None, "the name the paper's tables use", observer=True)
     sizes: Optional[SizesConfig] = setting(None, "sizes the GPU memory estimate reads", observer=True)
     paper_recipe: Optional[PaperRecipe] = setting(None, "the paper's fine-tune, read by train=paper", observer=True)

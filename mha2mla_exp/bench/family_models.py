@@ -1,6 +1,7 @@
-"""Tiny random decoders of every family the converter takes, built from stock transformers configs, with random
-non-zero biases, norm weights and gains (random init leaves biases at zero and norms at their identity, which
-would hide a bias or a gain that the conversion drops)."""
+"""Tiny random decoders of every family the converter takes (mla/families.py), built from stock transformers
+configs, with random non-zero biases, norm weights and gains (random init leaves biases at zero and norms at their
+identity, which would hide a bias or a gain that the conversion drops). The tests and the family matrix
+(`python -m mha2mla_exp.bench.families`) convert them."""
 
 from __future__ import annotations
 
