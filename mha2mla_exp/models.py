@@ -197,29 +197,27 @@ def load_tokenizer(model_cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(Path(model_id).expanduser(), local_files_only=True)
 
 
-def probe_architecture(model_cfg: ModelConfig) -> tuple[str | None, list[str]]:
-    """The model's `model_type` from its config.json alone (no weights), and notes on what could not be read.
-
-    Local folders and offline assets are read from disk; a hub id asks the hub for config.json when it is
-    reachable, else the architecture is unknown until the download (a note says so).
-    """
+def probe_architecture(model_cfg: ModelConfig) -> tuple[dict | None, list[str]]:
+    """The model's config.json fields (`model_type` at least) without its weights, and notes on what could not be
+    read. Local folders and offline assets are read from disk; a hub id asks the hub for config.json when it is
+    reachable, else the architecture is unknown until the download (a note says so)."""
     source, model_id = model_cfg.source, model_cfg.id
     if source == "random":
-        return model_cfg.family, []
+        return {"model_type": model_cfg.family}, []
     if source == "local":
         import json
 
-        return json.loads((Path(model_id).expanduser() / "config.json").read_text()).get("model_type"), []
+        return json.loads((Path(model_id).expanduser() / "config.json").read_text()), []
     if source == "asset":
         from .assets import get_asset
 
-        return get_asset(model_id, kind="model").model_type, []
+        return {"model_type": get_asset(model_id, kind="model").model_type}, []
     if hub_offline():
         return None, [f"model.id {model_id!r}: architecture not checked (HF_HUB_OFFLINE); unknown until download"]
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_id, revision=model_cfg.revision).model_type, []
+        return AutoConfig.from_pretrained(model_id, revision=model_cfg.revision).to_dict(), []
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, [f"model.id {model_id!r}: architecture not checked ({first}); unknown until download"]

@@ -268,3 +268,28 @@ def test_a_random_model_whose_key_norm_disagrees_with_its_family_is_refused_befo
         cfg = compose(config_name="config", overrides=["+experiment=smoke", "model.family=qwen3"])
     with pytest.raises(ConfigError, match="model.shape.key_norm: family 'qwen3' normalises its keys per head"):
         validate(cfg)
+
+
+def test_a_local_model_the_conversion_cannot_keep_exactly_is_refused_before_loading(tmp_path):
+    """Read from config.json alone: a Phi-3 with partial rotary (Phi-4-mini's kind) is refused by validate."""
+    import transformers as tf
+    from hydra import compose, initialize_config_dir
+
+    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner.config import ConfigError
+
+    tf.Phi3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=320,
+        partial_rotary_factor=0.75,
+        pad_token_id=None,
+    ).save_pretrained(tmp_path / "phi")
+    overrides = ["+experiment=smoke", "model=local", f"model.id={tmp_path / 'phi'}", "rope.r=2", "svd.d_kv=8"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with pytest.raises(ConfigError, match=r"\(phi3\) cannot be converted exactly: partial_rotary_factor=0.75"):
+        validate(cfg)

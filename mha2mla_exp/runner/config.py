@@ -7,6 +7,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from omegaconf import DictConfig
@@ -14,7 +15,7 @@ from omegaconf import DictConfig
 from ..confutil import typed_section
 from ..data.sources import check_data_config, mixture_parts, probe_hub_datasets
 from ..evaluation.kv import KVQuant
-from ..mla.families import SUPPORTED_MODEL_TYPES
+from ..mla.families import SUPPORTED_MODEL_TYPES, unsupported_features
 from ..mla.lowrank import FACTOR_SPLIT
 from ..mla.spec import MLASpec, ModelShape, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
@@ -473,13 +474,18 @@ def _check_train(train: TrainConfig, model: ModelConfig) -> Schedule:
 
 
 def _check_architecture(model: ModelConfig) -> list[str]:
-    """The model's architecture must be one the converter handles; read from its config.json, no weights."""
-    model_type, notes = probe_architecture(model)
+    """The model's architecture must be one the converter handles, asking for nothing it cannot keep exactly; read
+    from its config.json, no weights."""
+    facts, notes = probe_architecture(model)
+    model_type = facts.get("model_type") if facts else None
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"model.id: {model.id!r} is a {model_type!r} model; the MLA conversion handles the decoder "
             f"families {', '.join(SUPPORTED_MODEL_TYPES)} (mla/families.py)"
         )
+    problems = unsupported_features(SimpleNamespace(**facts)) if facts else []
+    if problems:
+        raise ConfigError(f"model.id: {model.id!r} ({model_type}) cannot be converted exactly: {'; '.join(problems)}")
     return notes
 
 
