@@ -3,12 +3,12 @@
 Runs in the serve environment (stdlib + vllm + torch only; never this package): see docs/SERVING.md.
 
     .venv-serve/bin/python scripts/serve_bench.py EXPORT --original ORIGINAL [--out results/serve] \
-        [--kv-gib 1] [--contexts 2048,4096,8192,16384] [--gen 16] [--time-budget 600]
+        [--kv-gib 1] [--contexts 2048,4096,8192,16384] [--gen 32] [--time-budget 600]
 
 For each model, in a child process of its own (a fresh engine, VLLM_CPU_KVCACHE_SPACE=--kv-gib): the engine's
 KV cache capacity (tokens, blocks, maximum concurrency at max_model_len, as vLLM reports and logs them) and the
-attention backend it picked (from its log); throughput per context: one prompt's prefill (generate 1 token) and
-its decode (generate 1 + --gen tokens, the difference), until a model's measurements pass --time-budget seconds.
+attention backend it picked (from its log); throughput per context: one request of 1 + --gen tokens, its prefill
+and its decode split by the engine's own timestamps, until a model's measurements pass --time-budget seconds.
 For the export also the prompt log-probabilities against our model's (EXPORT/reference_logprobs.json, written by
 scripts/serve_prepare.py). Writes OUT/serve_bench.json and OUT/serve_bench.md.
 """
@@ -62,6 +62,7 @@ def serve_one(model: str, max_model_len: int, contexts: list[int], gen: int, bud
         enable_prefix_caching=False,  # every timed prompt is prefilled, never read from an earlier one
         max_num_seqs=8,
         seed=0,
+        disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics) for prefill vs decode
     )
     cache = llm.llm_engine.vllm_config.cache_config
     out = {
@@ -93,21 +94,27 @@ def serve_one(model: str, max_model_len: int, contexts: list[int], gen: int, bud
                 }
             )
         out["logprobs"] = rows
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(1, 65))}], warm, use_tqdm=False)  # first-call costs, untimed
     timings, spent = [], 0.0
     for ctx in contexts:
         if spent > budget:
             timings.append({"context": ctx, "skipped": f"the time budget ({budget:.0f} s) was spent"})
             continue
-        row = {"context": ctx}
-        for label, tokens in (("prefill", 1), ("generate", 1 + gen)):
-            ids = torch.randint(1, 257, (ctx - tokens,), generator=g).tolist()
-            params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            row[f"{label}_s"] = round(time.perf_counter() - t, 3)
-            spent += row[f"{label}_s"]
-        row["prefill_tokens_per_s"] = round((ctx - 1) / row["prefill_s"], 1)
-        row["decode_tokens_per_s"] = round(gen / max(row["generate_s"] - row["prefill_s"], 1e-9), 2)
+        ids = torch.randint(1, 257, (ctx - 1 - gen,), generator=g).tolist()
+        params = SamplingParams(max_tokens=1 + gen, min_tokens=1 + gen, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        (result,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        row = {"context": ctx, "prompt_tokens": len(ids), "wall_s": round(time.perf_counter() - t, 3)}
+        spent += row["wall_s"]
+        m = result.metrics  # the engine core's own timestamps: prefill = scheduled -> first token
+        if m is None or not m.first_token_ts:
+            raise RuntimeError("vLLM returned no request timestamps (RequestOutput.metrics)")
+        row["prefill_s"] = round(m.first_token_ts - m.scheduled_ts, 3)
+        row["decode_s"] = round(m.last_token_ts - m.first_token_ts, 3)
+        row["prefill_tokens_per_s"] = round(len(ids) / row["prefill_s"], 1)
+        row["decode_tokens_per_s"] = round(gen / row["decode_s"], 2)
+        row["load_average_1min"] = round(os.getloadavg()[0], 2)  # the machine may be shared: say how busy it was
         timings.append(row)
         print(json.dumps(row), flush=True)
     out["throughput"] = timings
@@ -139,7 +146,9 @@ def run_child(model: Path, args, with_logprobs: bool) -> dict:
     if found:
         record["logged_capacity_tokens"] = int(found.group(1).replace(",", ""))
         record["logged_max_concurrency"] = float(found.group(3))
-    record["backend_lines"] = sorted({m.strip()[-200:] for m in LOG_BACKEND.findall(log)})
+    record["backend_lines"] = sorted({m.strip()[-200:] for m in LOG_BACKEND.findall(log) if "backend=gloo" not in m})
+    if not any("Using" in line for line in record["backend_lines"]):  # vLLM logs only its MLA backend choices
+        record["backend_lines"].append("no backend logged (non-MLA models: CPU_ATTN, platforms/cpu.py)")
     record["kv_elements_per_token_layer"] = kv_elements(json.loads((model / "config.json").read_text()))
     return record
 
@@ -199,7 +208,7 @@ def main() -> int:
     parser.add_argument("--kv-gib", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=16384)
     parser.add_argument("--contexts", default="2048,4096,8192,16384")
-    parser.add_argument("--gen", type=int, default=16)
+    parser.add_argument("--gen", type=int, default=32)
     parser.add_argument("--time-budget", type=float, default=600.0, help="seconds of timed generation per model")
     parser.add_argument("--only", choices=("export", "original"), help="serve one of the two (the other: skipped)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -219,7 +228,6 @@ def main() -> int:
         "machine": machine(),
         "kv_gib": args.kv_gib,
         "max_model_len": args.max_model_len,
-        "export_record": json.loads((Path(args.export) / "export.json").read_text()),
     }
     for name, path, logprobs in (("original", args.original, False), ("export", args.export, True)):
         if args.only and args.only != name:
@@ -235,6 +243,7 @@ def main() -> int:
     if exp.get("kv_elements_per_token_layer") and orig.get("kv_elements_per_token_layer"):
         formula = round(orig["kv_elements_per_token_layer"] / exp["kv_elements_per_token_layer"], 3)
     report["capacity_ratio"] = {"engine": engine, "formula": formula}
+    report["export_record"] = json.loads((Path(args.export) / "export.json").read_text())
     (out / "serve_bench.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "serve_bench.md").write_text(markdown(report))
     print(markdown(report))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import shutil
@@ -34,6 +35,16 @@ def _sample_ids(tokenizer, vocab_size: int, seed: int = 0, random_len: int = 128
 
 
 @torch.no_grad()
+def _max_dlogit(model, other, sample: list[torch.Tensor]) -> tuple[float, float]:
+    """(max |dlogit|, max |logit| of `model`) over the sample, both models run as they are (fp32 here)."""
+    diff, peak = 0.0, 0.0
+    for ids in sample:
+        ours = model(input_ids=ids, use_cache=False).logits
+        diff = max(diff, (ours - other(input_ids=ids, use_cache=False).logits).abs().max().item())
+        peak = max(peak, ours.abs().max().item())
+    return diff, peak
+
+
 def _logit_change(model, out: Path, sample: list[torch.Tensor]) -> dict:
     """Max |dlogit| (fp32) of the exported folder, loaded by stock transformers, against `model` (fp32)."""
     from transformers import AutoModelForCausalLM
@@ -41,12 +52,7 @@ def _logit_change(model, out: Path, sample: list[torch.Tensor]) -> dict:
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     if type(exported).__module__.split(".")[1] != "models":  # stock transformers' class, not remote code
         raise RuntimeError(f"the export loaded as {type(exported)}, not a stock transformers model")
-    diff, peak = 0.0, 0.0
-    for ids in sample:
-        ours = model(input_ids=ids, use_cache=False).logits
-        theirs = exported(input_ids=ids, use_cache=False).logits
-        diff = max(diff, (ours - theirs).abs().max().item())
-        peak = max(peak, ours.abs().max().item())
+    diff, peak = _max_dlogit(model, exported, sample)
     return {
         "loaded_as": type(exported).__name__,
         "tokens": [int(ids.shape[1]) for ids in sample],
@@ -54,6 +60,17 @@ def _logit_change(model, out: Path, sample: list[torch.Tensor]) -> dict:
         "max_abs_logit_fp32": peak,
         "relative": diff / peak if peak else 0.0,
     }
+
+
+def _mapping_change(model, ds_config, plan, weights, sample: list[torch.Tensor]) -> float:
+    """Max |dlogit| of the mapping kept in fp32 (a 16-bit folder adds the rounding of the rows it rescales)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    config = copy.deepcopy(ds_config)
+    config.dtype = torch.float32
+    target = DeepseekV3ForCausalLM(config).eval()
+    target.load_state_dict(deepseek_state(model, plan, weights, torch.float32))
+    return _max_dlogit(model, target, sample)[0]
 
 
 def export(src: str | Path, out: str | Path, *, approximate: bool = False, margin: float = 1e-6) -> dict:
@@ -122,6 +139,8 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
     }
     record["norm"]["residual"] = norm.residual(peaks, weights)
     record["verification"] = _logit_change(model, out, sample)
+    if dtype != torch.float32:
+        record["verification"]["mapping_max_abs_dlogit_fp32"] = _mapping_change(model, ds_config, plan, weights, sample)
     (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
