@@ -218,7 +218,8 @@ def test_registry_pins_the_verified_wheels():
 
 # ---------------------------------------------------------------------------------------- model configs
 
-MODEL_KEYS = {"name", "paper_name", "source", "id", "revision", "dtype", "shape", "pretrain_tokens", "finetune_length"}
+# what every model file states; the rest has the schema's defaults (schema/sections.py: ModelConfig)
+MODEL_KEYS = {"name", "source", "id", "dtype", "shape"}
 # METHOD.md's shape table (SmolLM2-135M: SmolLM-135M's shape, rope base 1e5, context 8192)
 PAPER_SHAPES = {
     "smollm_135m": (30, 576, 9, 3, 64, 10000, 6.0e11),
