@@ -104,7 +104,11 @@ def serve_one(model: str, max_model_len: int, contexts: list[int], gen: int, bud
         ids = torch.randint(1, 257, (ctx - 1 - gen,), generator=g).tolist()
         params = SamplingParams(max_tokens=1 + gen, min_tokens=1 + gen, temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
-        (result,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        try:
+            (result,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        except Exception as e:  # an engine that dies (e.g. out of memory) ends the sweep; the cause is in its log
+            timings.append({"context": ctx, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
+            break
         row = {"context": ctx, "prompt_tokens": len(ids), "wall_s": round(time.perf_counter() - t, 3)}
         spent += row["wall_s"]
         m = result.metrics  # the engine core's own timestamps: prefill = scheduled -> first token
@@ -125,6 +129,7 @@ def serve_one(model: str, max_model_len: int, contexts: list[int], gen: int, bud
 LOG_CAPACITY = re.compile(
     r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
 )
+LOG_ALLOCATION = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 LOG_BACKEND = re.compile(r"(Using [^\n]*backend[^\n]*|[^\n]*attention backend[^\n]*)", re.IGNORECASE)
 
 
@@ -149,6 +154,9 @@ def run_child(model: Path, args, with_logprobs: bool) -> dict:
     record["backend_lines"] = sorted({m.strip()[-200:] for m in LOG_BACKEND.findall(log) if "backend=gloo" not in m})
     if not any("Using" in line for line in record["backend_lines"]):  # vLLM logs only its MLA backend choices
         record["backend_lines"].append("no backend logged (non-MLA models: CPU_ATTN, platforms/cpu.py)")
+    allocation = LOG_ALLOCATION.search(log)
+    if allocation:  # the worker's own words when a context did not fit in memory
+        record["failed_allocation_bytes"] = int(allocation.group(1))
     record["kv_elements_per_token_layer"] = kv_elements(json.loads((model / "config.json").read_text()))
     return record
 
@@ -187,14 +195,17 @@ def markdown(report: dict) -> str:
     lines += ["| context | model | prefill s | prefill tok/s | decode tok/s |", "|---|---|---|---|---|"]
     for name, r in (("original", orig), ("export", exp)):
         for row in r.get("throughput", []):
-            if "skipped" in row:
-                lines.append(f"| {row['context']} | {name} | skipped: {row['skipped']} | | |")
+            if "skipped" in row or "failed" in row:
+                why = row.get("skipped") or f"failed: {row['failed'][:120]}"
+                lines.append(f"| {row['context']} | {name} | {why} | | |")
             else:
                 lines.append(
                     f"| {row['context']} | {name} | {row['prefill_s']} | {row['prefill_tokens_per_s']}"
                     f" | {row['decode_tokens_per_s']} |"
                 )
     for name, r in (("original", orig), ("export", exp)):
+        if r.get("failed_allocation_bytes"):
+            lines += ["", f"{name}: the worker failed to allocate {r['failed_allocation_bytes']:,} bytes (its log)."]
         if r.get("returncode"):
             lines += ["", f"{name} failed (exit {r['returncode']}); the log's end:", "", "```", r["error_tail"], "```"]
     return "\n".join(lines) + "\n"
@@ -229,9 +240,10 @@ def main() -> int:
         "kv_gib": args.kv_gib,
         "max_model_len": args.max_model_len,
     }
+    earlier = json.loads((out / "serve_bench.json").read_text()) if (out / "serve_bench.json").exists() else {}
     for name, path, logprobs in (("original", args.original, False), ("export", args.export, True)):
-        if args.only and args.only != name:
-            report[name] = {"skipped": True, "backend_lines": [], "kv_elements_per_token_layer": None}
+        if args.only and args.only != name:  # the other model's record from the earlier run, with its command
+            report[name] = earlier[name] | {"command": earlier.get("command")}
             continue
         report[name] = run_child(Path(path), args, logprobs)
         print(name, json.dumps({k: v for k, v in report[name].items() if k != "error_tail"}), flush=True)

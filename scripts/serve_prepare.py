@@ -31,9 +31,8 @@ PROMPT_LENGTHS = (16, 64, 256)
 def conversion_options() -> dict:
     """convert_to_mla's arguments from the conversion cell (one source for the runner and this script)."""
     cell = yaml.safe_load(CELL.read_text())
-    return {"rope": cell["rope"]["strategy"], "r": cell["rope"]["r"], "svd": cell["svd"]["method"]} | {
-        "d_kv": cell["svd"]["d_kv"]
-    }
+    rope, svd = cell["rope"], cell["svd"]
+    return {"rope": rope["strategy"], "r": rope["r"], "svd": svd["method"], "d_kv": svd["d_kv"]}
 
 
 @torch.no_grad()
