@@ -171,6 +171,14 @@ def markdown(report: dict) -> str:
         f"vLLM {exp.get('vllm', '?')}, torch {exp.get('torch', '?')}; VLLM_CPU_KVCACHE_SPACE={report['kv_gib']} GiB, "
         f"max_model_len {report['max_model_len']}, bf16.",
         "",
+    ]
+    lines += [
+        f"{n}: rows from an earlier run, `{r['command']}`"
+        for n, r in (("original", orig), ("export", exp))
+        if "command" in r
+    ]
+    lines += [
+        "",
         "| model | cached elements / token / layer | KV capacity (tokens) | blocks | max concurrency | backend |",
         "|---|---|---|---|---|---|",
     ]
