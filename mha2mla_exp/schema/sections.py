@@ -161,7 +161,9 @@ class DataConfig:
 # ---- the conversion -----------------------------------------------------------------------------------------------
 @dataclass
 class RopeConfig:
-    strategy: str = setting("full", "which frequencies keep RoPE: full | high | low | uniform | 2-norm | rorope | none")
+    strategy: str = setting(
+        "full", "which frequencies keep RoPE: full | high | low | uniform | 2-norm | rorope | rorope-geometric | none"
+    )
     r: Optional[int] = setting(None, "kept frequency pairs per head (null: the paper's d_h/16)", check=non_negative)
     score: str = setting(
         "product", "2-norm/rorope: product | sum | rotation", check=one_of("product", "sum", "rotation")
