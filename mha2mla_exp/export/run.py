@@ -87,8 +87,6 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     model.config.absorb = False
-    for layer in model.model.layers:  # rope_index: non-persistent, left empty by from_pretrained's meta-device build
-        layer.self_attn.reset_buffers(torch.device("cpu"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError):
