@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -12,7 +11,7 @@ from torch import nn
 from .budget import search_split, search_widths, selection_loss
 from .calibration import Calibration
 from .configuration import MLAConfig
-from .families import SourceAttention, family_of, source_attentions, unsupported_features
+from .families import SourceAttention, family_of, rope_per_layer_type, source_attentions, unsupported_features
 from .layouts import KeySplit, RotatedPairs
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
 from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
@@ -20,8 +19,6 @@ from .modeling import MLAAttention, MLAForCausalLM
 from .nope_keys import apply_nope_keys
 from .rope import ROPE_STRATEGIES
 from .spec import MLASpec, ModelShape, budget_latent_cap, max_d_kv
-
-log = logging.getLogger(__name__)
 
 # Llama-config fields that every supported architecture shares and the MLA model reuses as they are
 _SHARED_CONFIG_FIELDS = (
@@ -209,8 +206,8 @@ def build_mla_config(
     src = model.config
     shape = ModelShape.from_config(src)
     fields = {k: getattr(src, k) for k in _SHARED_CONFIG_FIELDS if hasattr(src, k)}
-    if not _llama_rope(fields.get("rope_parameters")):  # per-layer-type rope (Gemma-3): the base model's own
-        fields.pop("rope_parameters", None)
+    if rope_per_layer_type(fields.get("rope_parameters")):  # Gemma-3's: the base model's own, not Llama's
+        fields.pop("rope_parameters")
     first = layers[0]
     mla_meta = spec.to_dict() | {
         "source_model_type": src.model_type,
@@ -239,10 +236,6 @@ def build_mla_config(
     config._attn_implementation = src._attn_implementation
     config.dtype = next(model.parameters()).dtype
     return config
-
-
-def _llama_rope(rope) -> bool:
-    return isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values())
 
 
 @dataclass

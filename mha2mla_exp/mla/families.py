@@ -88,10 +88,15 @@ def key_norm_scales(config) -> int:
     return {None: 0, "head": n_kv, "projection": 1}[kind]
 
 
+def rope_per_layer_type(rope) -> bool:
+    """Whether rope parameters come as one block per layer type (Gemma-3's full / sliding attention)."""
+    return isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
+
+
 def _rope_blocks(rope: dict) -> list[dict]:
-    """The rope parameter blocks of a config: one, or one per layer type (Gemma-3)."""
-    if rope and all(isinstance(v, dict) for v in rope.values()):
-        return list(rope.values())
+    """The rope parameter blocks of a config: one, or one per layer type."""
+    if rope_per_layer_type(rope):
+        return [v for v in rope.values() if isinstance(v, dict)]
     return [rope] if rope else []
 
 
