@@ -6,6 +6,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
+from .families import norm_groups
+
 
 @strict
 class MLAConfig(LlamaConfig):
@@ -55,7 +57,7 @@ class MLAConfig(LlamaConfig):
     @property
     def key_norm_scales(self) -> int:
         """Elements per token and layer cached beside the latent for the key norm (mla/families.py)."""
-        return {None: 0, "head": self.num_key_value_heads, "projection": 1}[self.k_norm]
+        return norm_groups(self.k_norm, self.num_key_value_heads)
 
     @property
     def d_kv(self) -> int | None:

@@ -80,12 +80,10 @@ def unsupported_features(config) -> list[str]:
     return found
 
 
-def key_norm_scales(config) -> int:
-    """Elements per token and layer a converted model of this config caches beside the latent for its key
-    norm: n_kv for a per-head norm, 1 for a norm over the whole projection, 0 without one."""
-    kind = family_of(config).qk_norm
-    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return {None: 0, "head": n_kv, "projection": 1}[kind]
+def norm_groups(kind: str | None, num_kv_heads: int) -> int:
+    """The key norm's groups, each with its own 1/rms cached per token and layer: n_kv for a per-head norm, 1 for
+    a norm over the whole projection, 0 without one."""
+    return {None: 0, "head": num_kv_heads, "projection": 1}[kind]
 
 
 def rope_per_layer_type(rope) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from . import nope_keys as nope
-from .families import FAMILIES
+from .families import FAMILIES, norm_groups
 from .lowrank_init import LOWRANK_INITS
 from .rope import ROPE_STRATEGIES
 
@@ -50,7 +50,7 @@ class ModelShape:
     @property
     def key_norm_scales(self) -> int:
         """Elements per token and layer cached beside the latent for the key norm: 1/rms of each norm group."""
-        return {None: 0, "head": self.num_kv_heads, "projection": 1}[self.key_norm]
+        return norm_groups(self.key_norm, self.num_kv_heads)
 
 
 @dataclass(frozen=True)
