@@ -83,14 +83,7 @@ def real_size_rows() -> list[dict]:
         facts = cfg.get("shape") or {}
         if cfg.get("source") != "hub" or "num_kv_heads" not in facts:
             continue
-        shape = ModelShape(
-            facts["num_layers"],
-            facts["hidden_size"],
-            facts["num_heads"],
-            facts["num_kv_heads"],
-            facts["head_dim"],
-            facts.get("key_norm"),
-        )
+        shape = ModelShape.from_facts(facts)
         spec = MLASpec.create(shape, rope="high", r=shape.head_dim // 16, svd="joint", d_kv=shape.head_dim // 4)
         layers = shape.num_layers
         original = 2 * shape.num_kv_heads * shape.head_dim * layers * BF16

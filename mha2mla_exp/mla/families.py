@@ -115,11 +115,14 @@ def rms_scale(x: torch.Tensor, kind: str, head_dim: int, eps: float) -> torch.Te
     return torch.rsqrt(groups.pow(2).mean(-1) + eps)
 
 
+def scale_groups(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., groups * n] times scale [..., groups] per group, in float32 (the result float32)."""
+    return (x.float().view(*x.shape[:-1], scale.shape[-1], -1) * scale[..., None]).reshape(x.shape)
+
+
 def apply_norm(x: torch.Tensor, kind: str, head_dim: int, eps: float, gain: torch.Tensor) -> torch.Tensor:
     """x / rms(x) * gain, with transformers' rounding: normalised in float32, gain applied in float32."""
-    scale = rms_scale(x, kind, head_dim, eps)
-    groups = x.float().view(*x.shape[:-1], scale.shape[-1], -1)
-    return ((groups * scale[..., None]).reshape(x.shape) * gain.float()).to(x.dtype)
+    return (scale_groups(x, rms_scale(x, kind, head_dim, eps)) * gain.float()).to(x.dtype)
 
 
 class SourceAttention:
@@ -156,6 +159,7 @@ class SourceAttention:
         self.scaling = float(getattr(attn, "scaling", d_h**-0.5))
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sliding_window = getattr(attn, "sliding_window", None)
+        self._last_input, self._projected = None, {}
 
     def _norm(self, norm: nn.Module | None, family: Family, heads: int) -> QKNorm | None:
         if family.qk_norm is None or norm is None:
@@ -171,21 +175,37 @@ class SourceAttention:
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE queries [..., n_h*d_h], after the query norm."""
+        return self._once("queries", x, self._queries)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [..., n_kv*d_h], after the key norm."""
+        return self._once("keys", x, self._keys)
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        return self._once("values", x, lambda x: F.linear(x, self.v_proj.weight, self.v_proj.bias))
+
+    def _once(self, what: str, x: torch.Tensor, compute) -> torch.Tensor:
+        """`compute(x)`, reused while x is the same input: the statistics of one calibration pass all read a
+        layer's projections of the same forward."""
+        if self._last_input is not x:
+            self._last_input, self._projected = x, {}
+        if what not in self._projected:
+            self._projected[what] = compute(x)
+        return self._projected[what]
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
         q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
         n = self.q_norm
         return q if n is None else apply_norm(q, n.kind, self.shape.head_dim, n.eps, n.gain)
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE keys [..., n_kv*d_h], after the key norm."""
+    def _keys(self, x: torch.Tensor) -> torch.Tensor:
         k = F.linear(x, self.k_proj.weight, self.k_proj.bias)
         n = self.k_norm
         if n is None:
             return k
-        scale = rms_scale(F.linear(x, self.k_scale_proj.weight), n.kind, self.shape.head_dim, n.eps)
-        return (k.float().view(*k.shape[:-1], scale.shape[-1], -1) * scale[..., None]).reshape(k.shape).to(k.dtype)
-
-    def values(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.v_proj.weight, self.v_proj.bias)
+        return scale_groups(k, rms_scale(F.linear(x, self.k_scale_proj.weight), n.kind, self.shape.head_dim, n.eps)).to(
+            k.dtype
+        )
 
 
 def source_attentions(model: nn.Module, shape) -> list[SourceAttention]:

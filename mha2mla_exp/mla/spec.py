@@ -47,6 +47,19 @@ class ModelShape:
             key_norm=family.qk_norm if family is not None else getattr(config, "k_norm", None),
         )
 
+    @classmethod
+    def from_facts(cls, facts) -> "ModelShape":
+        """The shape a model config's shape block states (schema ShapeConfig, or a mapping of its keys)."""
+        get = facts.get if isinstance(facts, dict) else lambda key, default=None: getattr(facts, key, default)
+        return cls(
+            num_layers=int(get("num_layers")),
+            hidden_size=int(get("hidden_size")),
+            num_heads=int(get("num_heads")),
+            num_kv_heads=int(get("num_kv_heads")),
+            head_dim=int(get("head_dim")),
+            key_norm=get("key_norm"),
+        )
+
     @property
     def key_norm_scales(self) -> int:
         """Elements per token and layer cached beside the latent for the key norm: 1/rms of each norm group."""

@@ -258,14 +258,7 @@ def _model_shape(model: ModelConfig, saved) -> ModelShape:
             f"model.shape: no shape facts for model {model.name!r}: give model.shape, or a local "
             "folder whose config.json holds them"
         )
-    return ModelShape(
-        num_layers=int(facts.num_layers),
-        hidden_size=int(facts.hidden_size),
-        num_heads=int(facts.num_heads),
-        num_kv_heads=int(facts.num_kv_heads),
-        head_dim=int(facts.head_dim),
-        key_norm=facts.key_norm,
-    )
+    return ModelShape.from_facts(facts)
 
 
 def _conversion_spec(rope: RopeConfig, svd: SvdConfig, shape: ModelShape) -> MLASpec:
