@@ -319,7 +319,8 @@ class Calibration:
             for batch in self.batches:
                 ids = torch.as_tensor(batch["input_ids"] if isinstance(batch, dict) else batch)
                 ids = ids if ids.dim() == 2 else ids[None]
-                self.model(input_ids=ids.to(device), use_cache=False)
+                # the statistics read attention inputs only: one position's logits, not [B, T, vocab]
+                self.model(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
                 n_seqs, n_tokens = n_seqs + ids.shape[0], n_tokens + ids.numel()
         finally:
             for h in hooks:
