@@ -80,13 +80,10 @@ def check_model_config(model: ModelConfig) -> None:
             hint = " (a path? use source: local)" if model_id.startswith(("/", ".", "~")) else ""
             raise ValueError(f"model.id: {model_id!r} is not a valid hub repo id{hint}: {e}") from None
     elif model.source == "local":
-        folder = Path(model_id).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"model.id: local model folder {str(folder)!r} does not exist (source: local)")
-        if not (folder / "config.json").is_file():
-            raise ValueError(
-                f"model.id: {str(folder)!r} has no config.json; source: local expects a Hugging Face model folder"
-            )
+        try:
+            model_folder(model_id)
+        except ValueError as e:
+            raise ValueError(f"model.id: {e} (source: local)") from None
     elif model.source == "asset":
         from .assets import get_asset
 
@@ -94,6 +91,17 @@ def check_model_config(model: ModelConfig) -> None:
             get_asset(model_id, kind="model")
         except ValueError as e:
             raise ValueError(f"model.id: {e}") from None
+
+
+def model_folder(path: str | Path) -> Path:
+    """A folder named as a model (a local SRC): it must exist and hold config.json. Never taken for a hub id, so a
+    mistyped path is this error, not a download; read it with `local_files_only=True`."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"local model folder {str(folder)!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{str(folder)!r} has no config.json: not a Hugging Face model folder")
+    return folder
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
