@@ -18,6 +18,7 @@ from mha2mla_exp.runner.lock import FolderBusy, FolderLock
 from mha2mla_exp.runner.record import MetricsLog
 
 ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["train=smoke", "train.precision=fp32", "rope.r=2", "svd.d_kv=8"]
 
 
 def composed(tmp_path, *overrides):
@@ -201,3 +202,38 @@ def test_a_run_on_disk_and_in_wandb_is_one_setting_for_the_aggregate(tmp_path, m
     on_disk.mkdir()
     (on_disk / "results.json").write_text(json.dumps({"status": "ok", "setting_hash": "s1", "run_name": "r"}))
     assert from_wandb["setting"] == canonical_run(read_run(on_disk / "results.json"))["setting"] == "s1"
+
+
+def test_a_finished_record_is_kept_unless_rerun_is_asked_for(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from mha2mla_exp.runner import run_dir_for, validate
+    from mha2mla_exp.runner.run import _finished
+
+    main_process = SimpleNamespace(is_main_process=True)
+    never = lambda *a: (False, "test")  # noqa: E731
+    plan = validate(composed(tmp_path, *SMALL), bf16_pays=never)
+    run_dir = run_dir_for(plan)
+    run_dir.mkdir(parents=True)
+    for status, finished in (("running", False), ("failed", False), ("ok", True), ("diverged", True)):
+        (run_dir / "results.json").write_text(json.dumps({"status": status}))
+        assert (_finished(plan, run_dir, main_process) is not None) is finished, status
+    assert "already done (diverged)" in capsys.readouterr().out
+    rerun = validate(composed(tmp_path, *SMALL, "rerun=true"), bf16_pays=never)
+    assert run_dir_for(rerun) == run_dir  # an observer: the same run, made again
+    assert _finished(rerun, run_dir, main_process) is None
+
+
+def test_a_sweep_with_a_busy_cell_says_so_and_is_not_complete(tmp_path):
+    from omegaconf import OmegaConf
+
+    from mha2mla_exp.runner.sweep import SweepFailed, SweepSummary, summary_table
+
+    cells = [
+        {"cell": 0, "overrides": "a", "status": "ok"},
+        {"cell": 1, "overrides": "b", "status": "busy", "error": "already running: pid 7, host h, since t: runs/x"},
+    ]
+    (tmp_path / "cells.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cells))
+    assert "busy" in summary_table(cells) and "already running: pid 7" in summary_table(cells)
+    with pytest.raises(SweepFailed, match="1 cells already running in another process"):
+        SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
