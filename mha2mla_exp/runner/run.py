@@ -369,12 +369,8 @@ class TrainedModelBusy(Exception):
 
 def _made_elsewhere(trained: TrainedModel) -> bool:
     """Whether another process holds the trained model's lock now (it is making the model)."""
-    from filelock import Timeout
-
     lock = trained.lock()
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+    if not lock.try_acquire():
         return True
     lock.release()
     return False
