@@ -19,6 +19,8 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .record import BUSY
+
 OUTCOMES = "cells.jsonl"
 FAILED = ("failed", "invalid", "interrupted", "crashed", "refused")  # refused: a dry run's launch that would be
 
@@ -50,7 +52,7 @@ class SweepSummary(Callback):
         print(summary_table(outcomes))
         failed = [o for o in outcomes if o.get("status") in FAILED]
         deferred = [o for o in outcomes if o.get("status") == "deferred"]
-        busy = [o for o in outcomes if o.get("status") == "busy"]
+        busy = [o for o in outcomes if o.get("status") == BUSY]
         if failed or deferred or busy:  # a sweep that is not complete must not exit as if it were
             raise SweepFailed(
                 "; ".join(
@@ -79,6 +81,6 @@ def summary_table(outcomes: list[dict]) -> str:
     lines = [f"[mha2mla_exp] sweep of {len(outcomes)} cells:"]
     for o in outcomes:
         where = o.get("run_dir") or ""
-        error = f"  ({o['error']})" if o.get("error") and o.get("status") in (*FAILED, "blocked", "busy") else ""
+        error = f"  ({o['error']})" if o.get("error") and o.get("status") in (*FAILED, "blocked", BUSY) else ""
         lines.append(f"  #{o['cell']:<3} {o.get('status', '?'):<12} {o['overrides']}  {where}{error}")
     return "\n".join(lines)
