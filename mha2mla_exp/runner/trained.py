@@ -64,7 +64,6 @@ class TrainedModel:
         tmp.rename(self.model_dir)
         fault_point("kept.weights_saved")
         write_json_atomic(self.dir / COMPLETE, info)
-        fault_point("kept.complete")
 
 
 def list_trained(results_dir: Path) -> list[Path]:
