@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -256,15 +257,29 @@ def hub_offline() -> bool:
         return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+def hub_commit(model_id: str, revision: str | None) -> str | None:
+    """The commit `revision` (None: the default branch) of a hub model points to now (the local cache's answer
+    when offline); None when it cannot be resolved (the load then reports why)."""
+    from transformers.utils.hub import resolve_revision
+
+    resolved = resolve_revision(model_id, revision)
+    commit = getattr(resolved, "resolved", None) or resolved
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", str(commit)) else None
+
+
 def _load_hub(
     model_id: str, revision: str | None, dtype: torch.dtype, name: str, device: torch.device = torch.device("cpu")
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    commit = hub_commit(model_id, revision)  # tokenizer and weights from one commit, and the record says which
     try:
         # the tokenizer first: it fails fast, before any multi-GB weight download starts
-        tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype, **_placement(device))
+        tokenizer = AutoTokenizer.from_pretrained(model_id, revision=commit or revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, revision=commit or revision, dtype=dtype, **_placement(device)
+        )
+        model.hub_commit = commit  # read into the run record (runner/stages.source_commit); never saved
     except (OSError, ValueError) as e:
         why = (
             "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold this model."

@@ -159,16 +159,32 @@ def test_a_local_folder_that_does_not_exist_is_an_error_not_a_hub_id(tmp_path):
 
 
 def test_a_hub_models_commit_is_recorded_and_a_revision_pin_is_part_of_the_identity(tmp_path, monkeypatch):
-    from mha2mla_exp.models import build_random_model
+    import transformers
+    import transformers.utils.hub
+
+    from mha2mla_exp.models import build_random_model, load_model
     from mha2mla_exp.runner import stages, validate
     from mha2mla_exp.schema.sections import ModelConfig
     from tests.conftest import TINY_BYTE_LM
 
-    model, _ = build_random_model(TINY_BYTE_LM)
-    model.config._commit_hash = "a" * 40  # what from_pretrained sets on a hub model: the commit it read
-    hub = ModelConfig(name="tiny", source="hub", id="org/tiny")
-    assert stages.source_commit(hub, model) == {"hub_commit": "a" * 40}
-    assert stages.source_commit(TINY_BYTE_LM, model) == {}
+    commit = "c0ffee" + "0" * 34
+    model, tokenizer = build_random_model(TINY_BYTE_LM)
+    asked = []
+
+    class Resolved(str):  # huggingface_hub's ResolvedRevision: the name asked for, the commit it points to
+        resolved = commit
+
+    def from_pretrained(made):
+        return classmethod(lambda cls, model_id, revision=None, **kw: asked.append(revision) or made)
+
+    monkeypatch.setattr(transformers.utils.hub, "resolve_revision", lambda repo, revision: Resolved(revision or ""))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained(tokenizer))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained(model))
+    hub = ModelConfig(name="tiny", source="hub", id="org/tiny", revision="main", dtype="float32")
+    loaded, _ = load_model(hub)
+    assert asked == [commit, commit]  # tokenizer and weights read at the one commit `main` pointed to
+    assert stages.source_commit(hub, loaded) == {"hub_commit": commit}
+    assert stages.source_commit(TINY_BYTE_LM, loaded) == {}
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     plans = [

@@ -44,7 +44,7 @@ def source_commit(model: ModelConfig, loaded) -> dict:
     hub's newest when loaded), so a record says which weights stand behind its hash; {} for other sources."""
     if model.source != "hub":
         return {}
-    return {"hub_commit": getattr(loaded.config, "_commit_hash", None)}
+    return {"hub_commit": getattr(loaded, "hub_commit", None)}
 
 
 def load_trained(folder, device: torch.device):
