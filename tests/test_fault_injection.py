@@ -34,6 +34,15 @@ TINY_RUN = [
     "train.log_every=1",
     "eval=none",
     "eval.perplexity.max_batches=1",
+    # and one lm-eval suite, so the per-document samples file is written too: one passkey, one long document
+    "model.finetune_length=320",  # the evaluation window the passkey prompt fits in
+    "eval.long_context.enabled=true",
+    "eval.long_context.lengths=[320]",
+    "eval.long_context.depths=[0.5]",
+    "eval.long_context.samples_per_depth=1",
+    "eval.long_context.ppl_lengths=[128]",
+    "eval.long_context.ppl_docs=1",
+    "eval.long_context.max_gen_toks=6",
     "logger=none",
     "data.max_documents=24",
     "data.seq_len=64",  # held-out rows (the probes, the perplexity) of 64 tokens: a tenth of the cost
@@ -57,13 +66,15 @@ KILL_POINTS = [
     "kept.weights_saved",  # the trained weights renamed into model/, trained.json not written
     "trained.kept",  # trained.json written, the resume checkpoint not yet removed
     "record.model_ready",  # the trained model's curve and record in the run folder, before evaluation
-    "eval.written",  # the evaluation done, the record not yet
+    "eval.written",  # the evaluation and its per-document samples file written, the record not yet
     "record.ok",  # the final record written, the process not yet ended
 ]
 TORN_AFTER = "checkpoint.progress_written"  # the relaunch after it also meets a curve line cut mid-write
 
 _forkserver = multiprocessing.get_context("forkserver")
-_forkserver.set_forkserver_preload(["mha2mla_exp.runner", "mha2mla_exp.mla.modeling", "accelerate", "transformers"])
+_forkserver.set_forkserver_preload(
+    ["mha2mla_exp.runner", "mha2mla_exp.mla.modeling", "mha2mla_exp.evaluation", "transformers", "lm_eval"]
+)
 
 
 def _launch(overrides: list[str], fault: str | None, outcome: str, env: dict[str, str]) -> None:
@@ -201,6 +212,8 @@ def test_the_chain_ends_with_the_uninterrupted_runs_record(chain, reference):
         assert got["train"][key] == pytest.approx(want["train"][key], abs=1e-5)
     assert got["train"]["heldout_ppl_probe"] == pytest.approx(want["train"]["heldout_ppl_probe"], rel=1e-5)
     assert got["eval"]["perplexity"]["heldout"] == pytest.approx(want["eval"]["perplexity"]["heldout"], rel=1e-5)
+    assert got["eval"]["long_context"] == pytest.approx(want["eval"]["long_context"], rel=1e-5)
+    assert got["eval"]["meta"]["samples"] == want["eval"]["meta"]["samples"]  # the samples file: same rows
     assert (got["kv"], got["rope_pairs"], got["model"]) == (want["kv"], want["rope_pairs"], want["model"])
 
 
