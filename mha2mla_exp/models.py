@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -80,13 +81,10 @@ def check_model_config(model: ModelConfig) -> None:
             hint = " (a path? use source: local)" if model_id.startswith(("/", ".", "~")) else ""
             raise ValueError(f"model.id: {model_id!r} is not a valid hub repo id{hint}: {e}") from None
     elif model.source == "local":
-        folder = Path(model_id).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"model.id: local model folder {str(folder)!r} does not exist (source: local)")
-        if not (folder / "config.json").is_file():
-            raise ValueError(
-                f"model.id: {str(folder)!r} has no config.json; source: local expects a Hugging Face model folder"
-            )
+        try:
+            model_folder(model_id)
+        except ValueError as e:
+            raise ValueError(f"model.id: {e} (source: local)") from None
     elif model.source == "asset":
         from .assets import get_asset
 
@@ -94,6 +92,17 @@ def check_model_config(model: ModelConfig) -> None:
             get_asset(model_id, kind="model")
         except ValueError as e:
             raise ValueError(f"model.id: {e}") from None
+
+
+def model_folder(path: str | Path) -> Path:
+    """A folder named as a model (a local SRC): it must exist and hold config.json. Never taken for a hub id, so a
+    mistyped path is this error, not a download; read it with `local_files_only=True`."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"local model folder {str(folder)!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{str(folder)!r} has no config.json: not a Hugging Face model folder")
+    return folder
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -248,15 +257,29 @@ def hub_offline() -> bool:
         return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+def hub_commit(model_id: str, revision: str | None) -> str | None:
+    """The commit `revision` (None: the default branch) of a hub model points to now (the local cache's answer
+    when offline); None when it cannot be resolved (the load then reports why)."""
+    from transformers.utils.hub import resolve_revision
+
+    resolved = resolve_revision(model_id, revision)
+    commit = getattr(resolved, "resolved", None) or resolved
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", str(commit)) else None
+
+
 def _load_hub(
     model_id: str, revision: str | None, dtype: torch.dtype, name: str, device: torch.device = torch.device("cpu")
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    commit = hub_commit(model_id, revision)  # tokenizer and weights from one commit, and the record says which
     try:
         # the tokenizer first: it fails fast, before any multi-GB weight download starts
-        tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=dtype, **_placement(device))
+        tokenizer = AutoTokenizer.from_pretrained(model_id, revision=commit or revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, revision=commit or revision, dtype=dtype, **_placement(device)
+        )
+        model.hub_commit = commit  # read into the run record (runner/stages.source_commit); never saved
     except (OSError, ValueError) as e:
         why = (
             "HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched, and it does not hold this model."

@@ -31,6 +31,11 @@ _RECORD_FIELDS = (
     "eval",
     "timings",
     "machine",
+    # the runner logs its hashes with the config: a run on disk and in W&B is one setting and seed, counted once
+    "config_hash",
+    "trained_hash",
+    "eval_hash",
+    "setting_hash",
 )
 
 

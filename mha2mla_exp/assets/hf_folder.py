@@ -86,8 +86,10 @@ def gguf_to_hf_folder(gguf: Path, out: Path, *, check: bool = True) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    src = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain fp32, not GGUF
@@ -106,12 +108,12 @@ def _check_roundtrip(src, tokenizer, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok2 = AutoTokenizer.from_pretrained(out)
+    tok2 = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ids = tokenizer(CHECK_TEXT, return_tensors="pt").input_ids
     ids2 = tok2(CHECK_TEXT, return_tensors="pt").input_ids
     if not torch.equal(ids, ids2) or tok2.eos_token_id != tokenizer.eos_token_id:
         raise AssetError(f"the tokenizer saved to {out} does not reproduce the GGUF tokenizer")
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
     with torch.no_grad():
         a = src.eval()(ids).logits
         b = reloaded.eval()(ids).logits

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 
+from ..atomic import write_text
 from ..machine import cpu_model, machine_info  # noqa: F401  (re-exported: the record's machine block)
 
 FINAL_STATUSES = ("ok", "diverged")  # a relaunch skips these; failed or interrupted runs resume
 # a run that ended without a result; only a process that died unannounced (SIGKILL, power) leaves "running"
 STOPPED_STATUSES = ("failed", "interrupted", "deferred")
+BUSY = "busy"  # a second launch of a setting another live process is running: it ends at once (runner/lock.py)
+
+log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -36,8 +41,9 @@ def read_results(run_dir: Path) -> dict | None:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON line per logged training step. On resume, lines past the checkpoint
-    step are dropped so the curve has no duplicates."""
+    """metrics.jsonl: one JSON line per logged training step, appended as the step ends. On resume, lines past
+    the checkpoint step are dropped so the curve has no duplicates, and a last line cut by a crash (a full disk,
+    a power loss) is dropped with a warning: only the last line can be cut, since lines are only appended."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -45,10 +51,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        kept = [line for line, row in self._rows() if row.get("step", 0) <= step]
+        write_text(self.path, "".join(line + "\n" for line in kept))
 
     def append(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -56,9 +60,21 @@ class MetricsLog:
             f.flush()
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return [row for _, row in self._rows()] if self.path.exists() else []
+
+    def _rows(self) -> list[tuple[str, dict]]:
+        lines = self.path.read_text().splitlines()
+        rows = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                rows.append((line, json.loads(line)))
+            except ValueError:
+                if number < len(lines):  # not the last: the file was damaged, not cut by a crash
+                    raise ValueError(f"{self.path}: line {number} is not JSON ({line[:80]!r})") from None
+                log.warning("%s: dropped its last line, cut by a crash (%r)", self.path, line[:80])
+        return rows
 
 
 def headline(record: dict) -> str:

@@ -1,6 +1,10 @@
 """One run, end to end: validate -> data -> (load -> calibrate -> convert -> distill -> fine-tune -> keep) or
 reuse the kept trained model -> measure -> evaluate -> record. Finished runs are skipped, interrupted ones resume.
 
+One lock per run folder (runner/lock.py) is taken before the record is read and held to the final record: a second
+launch of a setting that runs ends at once with status `busy` (`run_busy=wait`: it waits), a dead run's lock is
+taken over, and a finished record is replaced only when asked (`rerun=true`).
+
 Rank-aware: under `torchrun` / `accelerate launch` every process validates, loads, trains and evaluates (each
 its share of the lm-eval suites' documents, on its own device); only the main process writes the record, the
 training curve and W&B, while the others wait for it (`ranks.wait_for_main_process`), so that a multirun's
@@ -17,21 +21,23 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..atomic import write_text
 from ..data import prepare_data
+from ..faults import fault_point
 from ..mla.lowrank import FACTOR_SPLIT
 from ..models import load_tokenizer
 from ..schema.sections import DistributedConfig, RunConfig
 from ..train import FineTuneDiverged, finetune, remove_checkpoint, sharding
-from ..train.recipe import note_peak_rss
+from ..train.recipe import CHECKPOINT_DIR, note_peak_rss, recover_checkpoint
 from . import stages
 from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, run_config, validate
+from .lock import FolderBusy, FolderLock
 from .ranks import (
     SLOW_EVAL_ENV,
     long_wait_group,
@@ -40,7 +46,7 @@ from .ranks import (
     shared_bf16_verdict,
     wait_for_main_process,
 )
-from .record import FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
+from .record import BUSY, FINAL_STATUSES, MetricsLog, headline, machine_info, read_results, write_json_atomic
 from .trained import TrainedModel
 
 log = logging.getLogger(__name__)
@@ -61,17 +67,46 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
     config = run_config(cfg)
     dist = process_state(config.device, config.distributed)
     plan = plan_run(config, dist)  # every config error surfaces here, before any weight is touched
-    config = plan.config
     run_dir = run_dir_for(plan)
-    previous = read_results(run_dir)
-    if previous and previous.get("status") in FINAL_STATUSES:
+    if plan.config.dry_run:  # reads, writes nothing: no lock
+        return _finished(plan, run_dir, dist) or _plan_only(plan, run_dir, dist)
+    lock, busy = FolderLock(run_dir), None
+    if dist.is_main_process:
+        try:
+            lock.acquire(wait=plan.config.run_busy == "wait")
+        except FolderBusy as err:
+            busy = str(err)
+    busy = same_on_every_rank(busy, dist)
+    if busy:
         if dist.is_main_process:
-            print(f"[mha2mla_exp] already done ({previous['status']}): {run_dir}")
-        return previous | {"run_dir": str(run_dir)}
+            print(f"[mha2mla_exp] {busy}")
+        return {"status": BUSY, "error": busy, "run_name": run_dir.name, "run_dir": str(run_dir)}
+    try:
+        return _finished(plan, run_dir, dist) or _run_locked(plan, run_dir, dist, fail_at_step)
+    finally:
+        if dist.is_main_process:
+            lock.release()
+
+
+def _finished(plan: RunPlan, run_dir: Path, dist) -> dict | None:
+    """The run's finished record, unless `rerun=true` asks for it to be made again; None: there is work."""
+    previous = read_results(run_dir)
+    if not previous or previous.get("status") not in FINAL_STATUSES:
+        return None
+    if plan.config.rerun and not plan.config.dry_run:
+        log.warning("rerun=true: replacing the finished (%s) record of %s", previous["status"], run_dir)
+        return None
+    if dist.is_main_process:
+        print(f"[mha2mla_exp] already done ({previous['status']}): {run_dir}")
+    return previous | {"run_dir": str(run_dir)}
+
+
+def _run_locked(plan: RunPlan, run_dir: Path, dist, fail_at_step) -> dict:
+    """The run itself, under its folder's lock."""
+    config = plan.config
+    previous = read_results(run_dir)
     for note in plan.notes:
         log.warning("not checked before loading: %s", note)
-    if config.dry_run:
-        return _plan_only(plan, run_dir, dist)
 
     # the inputs before any weight: a budget the corpus cannot hold is a config error, found in seconds
     tokenizer = load_tokenizer(config.model)  # the tokenizer alone: data and budget checked before any weight
@@ -120,12 +155,13 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
         "placement": placement.to_record() | {"evaluating_processes": dist.num_processes},
         "notes": list(plan.notes),
     }
-    tracker = _Tracker(config, run_dir) if main else _Tracker.off()
+    tracker = _Tracker(config, run_dir, {k: record[k] for k in IDENTITY_FIELDS}) if main else _Tracker.off()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # the typed config with what this machine resolved (device, precision, eval dtype): what ran, its identity
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
         write_json_atomic(run_dir / "results.json", record)
+        fault_point("record.running")
     started = time.perf_counter()
     try:
         model = placement.place(
@@ -134,8 +170,9 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
         try:
             if main:
                 if plan.trains and trained.metrics_path.exists():
-                    shutil.copyfile(trained.metrics_path, run_dir / "metrics.jsonl")
+                    write_text(run_dir / "metrics.jsonl", trained.metrics_path.read_text())
                 write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
+                fault_point("record.model_ready")
             _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, dist)
         finally:  # also when the evaluation fails: the sweep's next cell starts on every process together
             wait_for_main_process(dist, config.distributed.eval_wait_s)
@@ -253,6 +290,7 @@ def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) ->
     record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
     if main:
         write_json_atomic(run_dir / "results.json", record)
+        fault_point(f"record.{record['status']}")
         tracker.finish(record)
 
 
@@ -267,6 +305,7 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
         where = stages.placement(plan.config.model, plan.eval_dtype, dist.device)
         model, _ = stages.load(plan.config.model, where, dist.device)
         record["model"]["params_original"] = stages.count_parameters(model)
+        record["model"].update(stages.source_commit(plan.config.model, model))
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
         model = stages.convert(
@@ -291,6 +330,8 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
         if info is not None and info.get("status") == "diverged":
             raise FineTuneDiverged(info["train"]["diverged_at_step"], info["train"]["loss"], "kept record")
         if info is not None:
+            if dist.is_main_process:  # a kill between trained.json and the checkpoint's removal left it
+                remove_checkpoint(trained.dir)
             t = time.perf_counter()
             model, _ = stages.load_trained(trained.model_dir, dist.device)
             timings["load_s"] = round(time.perf_counter() - t, 3)
@@ -314,9 +355,10 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
                     },
                 )
             raise
-    del model  # the training copy: each process loads the kept model instead
-    dist.wait_for_everyone()  # the main process has saved it
-    model, _ = stages.load_trained(trained.model_dir, dist.device)
+        del model  # the training copy: each process loads the kept model instead
+        dist.wait_for_everyone()  # the main process has saved it
+        model, _ = stages.load_trained(trained.model_dir, dist.device)
+        dist.wait_for_everyone()  # every process has read it before the lock is let go
     return model
 
 
@@ -327,12 +369,8 @@ class TrainedModelBusy(Exception):
 
 def _made_elsewhere(trained: TrainedModel) -> bool:
     """Whether another process holds the trained model's lock now (it is making the model)."""
-    from filelock import Timeout
-
     lock = trained.lock()
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+    if not lock.try_acquire():
         return True
     lock.release()
     return False
@@ -367,41 +405,48 @@ def _converted(plan, tokenizer, data, record, dist):
     from ..train.objectives import build_objective
 
     needs_teacher = build_objective(config.objective).needs_teacher
-    reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
     from_main = plan.fine_tune and sharding.shards(config.train)  # the weights come from the main process
     holds_weights = dist.is_main_process or not from_main
     keeps_original = needs_teacher or (plan.distill and holds_weights)  # the teacher, or distillation's
-    original = None
-    if (holds_weights and not reuse) or keeps_original:
-        where = stages.placement(config.model, plan.eval_dtype, dist.device)
-        original, _ = stages.load(config.model, where, dist.device)
-        record["model"]["params_original"] = stages.count_parameters(original)
-    timings["load_s"] = round(time.perf_counter() - t, 3)
-    t = time.perf_counter()
-    model = None
-    if holds_weights and reuse:
-        model, _ = stages.load_trained(kept.model_dir, dist.device)
-        record["model"]["params_original"] = kept.info()["model"]["params_original"]
-        record["reused_conversion"] = str(kept.dir)
-    elif holds_weights:
-        model = stages.convert(
-            plan, original, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
-        )
-        if kept is not None and dist.is_main_process:
-            with kept.lock():
+    # the reuse check, the read and the save under the conversion's lock: no other process converts it twice,
+    # replaces it or prunes it meanwhile
+    lock = kept.lock() if kept is not None and dist.is_main_process else contextlib.nullcontext()
+    with lock:
+        reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
+        original = None
+        if (holds_weights and not reuse) or keeps_original:
+            where = stages.placement(config.model, plan.eval_dtype, dist.device)
+            original, _ = stages.load(config.model, where, dist.device)
+            record["model"]["params_original"] = stages.count_parameters(original)
+            record["model"].update(stages.source_commit(config.model, original))
+        timings["load_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        model = None
+        if holds_weights and reuse:
+            model, _ = stages.load_trained(kept.model_dir, dist.device)
+            record["model"].update(
+                {k: v for k, v in kept.info()["model"].items() if k in ("params_original", "hub_commit")}
+            )
+            record["reused_conversion"] = str(kept.dir)
+        elif holds_weights:
+            model = stages.convert(
+                plan, original, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
+            )
+            if kept is not None and dist.is_main_process:
                 kept.save(
                     model,
                     tokenizer,
                     {
-                        "model": {
-                            "params_original": record["model"]["params_original"],
-                            "params": stages.count_parameters(model),
-                        },
+                        "model": {k: v for k, v in record["model"].items() if k in ("params_original", "hub_commit")}
+                        | {"params": stages.count_parameters(model)},
                         "rope_pairs": model.config.rope_pairs,
                         "status": "ok",
                         "conversion_hash": plan.conversion_hash,
                     },
                 )
+                fault_point("conversion.kept")
+        if reuse and not from_main:
+            dist.wait_for_everyone()  # every process has read the kept conversion before the lock is let go
     if from_main:
         _wait_for_the_main_process_to_convert(config.distributed, dist)
         model_config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
@@ -421,6 +466,9 @@ def _wait_for_the_main_process_to_convert(distributed: DistributedConfig, dist) 
 
 def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     config = plan.config
+    if dist.is_main_process:  # a swap cut by a kill is mended before anything reads the checkpoint's step
+        recover_checkpoint(trained.dir / CHECKPOINT_DIR)
+    dist.wait_for_everyone()
     original, model = _converted(plan, tokenizer, data, record, dist)
     if plan.distill:
         done = trained.dir / "distill.json"
@@ -475,6 +523,7 @@ def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_
             {k: record.get(k) for k in ("model", "train", "distill", "rope_pairs")}
             | {"status": "ok", "trained_hash": plan.trained_hash},
         )
+        fault_point("trained.kept")
         remove_checkpoint(trained.dir)  # the weights are kept, the resume point is no longer needed
     return model
 
@@ -514,20 +563,27 @@ def _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, di
         process_group=long_wait_group(dist, plan.config.distributed.eval_wait_s),
     )
     if dist.is_main_process:
+        fault_point("eval.written")  # its per-document results are on disk, the record not yet
+    if dist.is_main_process:
         time.sleep(float(os.environ.get(SLOW_EVAL_ENV, 0)))
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 
 def _checkpoint_step(root: Path) -> int:
-    """The step the fine-tune resumes after (-1: it starts afresh, so no line of an earlier attempt is kept)."""
-    progress = Path(root) / "checkpoint" / "progress.json"
+    """The step the fine-tune resumes after (-1: it starts afresh, so no line of an earlier attempt is kept);
+    read after `recover_checkpoint`, so a swap cut between its renames counts its newest complete checkpoint."""
+    progress = Path(root) / CHECKPOINT_DIR / "progress.json"
     return json.loads(progress.read_text())["step"] if progress.exists() else -1
 
 
-class _Tracker:
-    """W&B mirror of the record: the resolved config, curve, results. Offline by default; WANDB_MODE wins."""
+IDENTITY_FIELDS = ("config_hash", "trained_hash", "eval_hash", "setting_hash")
 
-    def __init__(self, config: RunConfig | None, run_dir: Path | None):
+
+class _Tracker:
+    """W&B mirror of the record: the resolved config with the run's hashes (so the aggregate counts a run on disk
+    and in W&B once), curve, results. Offline by default; WANDB_MODE wins."""
+
+    def __init__(self, config: RunConfig | None, run_dir: Path | None, identity: dict | None = None):
         self.run = None
         if config is None:
             return
@@ -546,7 +602,7 @@ class _Tracker:
             resume="allow",
             mode=mode,
             dir=str(run_dir),
-            config=dataclasses.asdict(config),
+            config=dataclasses.asdict(config) | (identity or {}),
             reinit="finish_previous",
         )
 

@@ -39,6 +39,14 @@ def load(model: ModelConfig, where, device: torch.device):
     return load_model(model, device=device, dtype=where.weights_dtype)
 
 
+def source_commit(model: ModelConfig, loaded) -> dict:
+    """{"hub_commit": sha} for a hub model: the commit its weights were read at (`model.revision` pins it, else the
+    hub's newest when loaded), so a record says which weights stand behind its hash; {} for other sources."""
+    if model.source != "hub":
+        return {}
+    return {"hub_commit": getattr(loaded, "hub_commit", None)}
+
+
 def load_trained(folder, device: torch.device):
     """A kept trained model (fp32, as it was saved), in eval mode."""
     from ..models import load_model

@@ -3,7 +3,9 @@
 Hydra keeps sweeping after a cell fails (the app catches the error and records it, so the other cells still
 run), which would make a sweep whose every cell failed exit 0. Each cell's outcome is appended to
 `<sweep dir>/cells.jsonl` as it ends (in the cell's own process: joblib and SLURM run cells elsewhere), and
-the launching process reads them back when the sweep is over.
+the launching process reads them back when the sweep is over. A cell another process is making (`deferred`:
+its trained model; `busy`: the very run, runner/lock.py) is neither failed nor done: the summary lists it and the
+sweep exits non-zero, so that nothing chained after it reads a partial set; relaunching the sweep completes it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from .record import BUSY
 
 OUTCOMES = "cells.jsonl"
 FAILED = ("failed", "invalid", "interrupted", "crashed", "refused")  # refused: a dry run's launch that would be
@@ -48,7 +52,8 @@ class SweepSummary(Callback):
         print(summary_table(outcomes))
         failed = [o for o in outcomes if o.get("status") in FAILED]
         deferred = [o for o in outcomes if o.get("status") == "deferred"]
-        if failed or deferred:  # a sweep that is not complete must not exit as if it were
+        busy = [o for o in outcomes if o.get("status") == BUSY]
+        if failed or deferred or busy:  # a sweep that is not complete must not exit as if it were
             raise SweepFailed(
                 "; ".join(
                     filter(
@@ -62,6 +67,10 @@ class SweepSummary(Callback):
                             "relaunch the same sweep to evaluate them (finished cells are skipped)"
                             if deferred
                             else "",
+                            f"{len(busy)} cells already running in another process: relaunch the same sweep "
+                            "once it ends (their records are not overwritten)"
+                            if busy
+                            else "",
                         ],
                     )
                 )
@@ -72,6 +81,6 @@ def summary_table(outcomes: list[dict]) -> str:
     lines = [f"[mha2mla_exp] sweep of {len(outcomes)} cells:"]
     for o in outcomes:
         where = o.get("run_dir") or ""
-        error = f"  ({o['error']})" if o.get("error") and o.get("status") in (*FAILED, "blocked") else ""
+        error = f"  ({o['error']})" if o.get("error") and o.get("status") in (*FAILED, "blocked", BUSY) else ""
         lines.append(f"  #{o['cell']:<3} {o.get('status', '?'):<12} {o['overrides']}  {where}{error}")
     return "\n".join(lines)

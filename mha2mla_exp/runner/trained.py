@@ -7,9 +7,11 @@
     metrics.jsonl  the training curve
     trained.json   what the runner learnt while making it (train / distill blocks, parameter counts, kept RoPE
                    pairs); written last, so its presence means the folder is complete
-    .lock          held while the model is being made, so two evaluations of one model never train it twice
+    .lock          held while the model is made or reused (runner/lock.py), so two evaluations of one model never
+                   train it twice and `prune` never deletes weights another process is loading
 
-Weights are never deleted by a run; `python -m mha2mla_exp.trained prune` is the explicit way.
+Weights are never deleted by a run; `python -m mha2mla_exp.runner.trained prune` is the explicit way, and it skips
+a model whose lock another process holds.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import json
 import shutil
 from pathlib import Path
 
-from filelock import FileLock
-
+from ..faults import fault_point
+from .lock import FolderLock, describe_holder
 from .record import write_json_atomic
 
 TRAINED_DIR = "_trained"
@@ -44,20 +46,23 @@ class TrainedModel:
     def info(self) -> dict:
         return json.loads((self.dir / COMPLETE).read_text())
 
-    def lock(self) -> FileLock:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.dir / ".lock"))
+    def lock(self) -> FolderLock:
+        return FolderLock(self.dir)
 
     def save(self, model, tokenizer, info: dict) -> None:
-        """Weights first (into a temp folder, then renamed), `trained.json` last."""
+        """Weights first (into a temp folder, then renamed), `trained.json` last. The caller holds `lock()` and
+        found the model incomplete under it; a complete one is never replaced."""
+        if self.complete():
+            raise FileExistsError(f"{self.dir} is already complete: a kept model is never overwritten")
         tmp = self.dir / "model.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if self.model_dir.exists():
+        if self.model_dir.exists():  # an earlier save cut before trained.json: incomplete, never read
             shutil.rmtree(self.model_dir)
         tmp.rename(self.model_dir)
+        fault_point("kept.weights_saved")
         write_json_atomic(self.dir / COMPLETE, info)
 
 
@@ -92,12 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not chosen:
         parser.error("name the models to prune (see `list`), or --all")
+    busy = []
     for folder in chosen:
-        for part in ("model", "model.tmp", "checkpoint", "checkpoint.tmp", "checkpoint.old"):
-            if (folder / part).exists():
-                shutil.rmtree(folder / part)
+        lock = FolderLock(folder)
+        if not lock.try_acquire():  # another process makes or loads these weights now
+            busy.append(folder.name)
+            print(f"skipped {folder.name}: in use ({describe_holder(lock.holder() or {})})")
+            continue
+        try:
+            for part in ("model", "model.tmp", "checkpoint", "checkpoint.tmp", "checkpoint.old"):
+                if (folder / part).exists():
+                    shutil.rmtree(folder / part)
+        finally:
+            lock.release()
         print(f"pruned the weights of {folder.name} (trained.json and metrics.jsonl are kept)")
-    return 0
+    return 1 if busy else 0
 
 
 if __name__ == "__main__":

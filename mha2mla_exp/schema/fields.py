@@ -58,6 +58,17 @@ def one_of(*choices) -> Check:
     return lambda value: None if value in choices else f"expected one of {', '.join(map(str, choices))}"
 
 
+def path_segment(value) -> str | None:
+    """A name that becomes one folder of a path (results_dir/<experiment>/<model.name>__...): never absolute,
+    never a separator or a step up, so no config writes outside its results folder."""
+    if value is None:
+        return None
+    text = str(value)
+    if not text.strip() or text in (".", "..") or any(bad in text for bad in ("/", "\\", "..", "\0")):
+        return "must be a plain name (one path segment: no '/', '\\' or '..', not empty)"
+    return None
+
+
 def section_type(hint) -> type | None:
     """The dataclass a field's type hint declares (`ShapeConfig` for `Optional[ShapeConfig]`), or None."""
     return next((c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)), None)

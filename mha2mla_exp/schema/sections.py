@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .fields import at_least, non_negative, one_of, open_fraction, positive, section, setting, unit_interval
+from .fields import (
+    at_least,
+    non_negative,
+    one_of,
+    open_fraction,
+    path_segment,
+    positive,
+    section,
+    setting,
+    unit_interval,
+)
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16-master", "bf16-pure")
@@ -79,13 +89,15 @@ class GpuPlan:
 
 @dataclass
 class ModelConfig:
-    name: str = setting(doc="short name used in run names")
+    name: str = setting(doc="short name used in run names (a plain name, no '/')", check=path_segment)
     source: str = setting(
         doc="asset (offline wheel) | hub | local (a folder) | random (tiny, from shape)",
         check=one_of("asset", "hub", "local", "random"),
     )
     id: Optional[str] = setting(None, "asset name, hub id or folder")
-    revision: Optional[str] = setting(None, "hub revision (hub only)")
+    revision: Optional[str] = setting(
+        None, "hub revision (hub only): a branch, tag or commit; the commit read is recorded (model.hub_commit)"
+    )
     dtype: str = setting(
         "auto",
         "weights' dtype on load: auto | float32 | bfloat16 | float16",
@@ -125,13 +137,13 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    name: str = setting(doc="short name")
+    name: str = setting(doc="short name (names its token cache)", check=path_segment)
     source: str = setting(
         doc="asset | local | hub (a streamed mixture) | teacher (samples of the original model)",
         check=one_of("asset", "local", "hub", "teacher"),
     )
     id: Optional[str] = setting(None, "asset name")
-    tag: Optional[str] = setting(None, "what run names carry when a run recovers on this corpus")
+    tag: Optional[str] = setting(None, "what run names carry when a run recovers on this corpus", check=path_segment)
     paths: Any = setting(None, "local: a file, glob or list of them")
     text_field: str = setting("text", "local JSONL: the field holding the text")
     mixture: Optional[List[Any]] = setting(None, "hub: parts {name, path, config, weight, text_field|blob_field}")
@@ -401,7 +413,9 @@ class RunConfig:
         "its former run hash, which keeps it apart from today's runs (scripts/migrate_records.py)",
     )
     # observers
-    experiment: str = setting("default", "the results folder runs are recorded under", observer=True)
+    experiment: str = setting(
+        "default", "the results folder runs are recorded under (a plain name)", check=path_segment, observer=True
+    )
     results_dir: str = setting("runs", "where runs are recorded", observer=True)
     logger: LoggerConfig = section(LoggerConfig, "logging", observer=True)
     distributed: DistributedConfig = section(DistributedConfig, "multi-process launches", observer=True)
@@ -409,4 +423,13 @@ class RunConfig:
         "wait", "another process makes this trained model: wait | defer", check=one_of("wait", "defer"), observer=True
     )
     dry_run: bool = setting(False, "validate and print the plan, run nothing", observer=True)
+    run_busy: str = setting(
+        "exit",
+        "another live process runs this setting: exit (at once, status busy) | wait (for it to finish)",
+        check=one_of("exit", "wait"),
+        observer=True,
+    )
+    rerun: bool = setting(
+        False, "run a setting again whose record is finished (ok, diverged), replacing it", observer=True
+    )
     budget: Dict[str, Any] = setting(doc="the budget group's own settings", factory=dict, observer=True)

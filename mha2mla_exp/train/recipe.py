@@ -7,6 +7,9 @@ reads are a pure function of (seed, step) (`data.rows`), laid out so N processes
 process sees with N times the gradient accumulation: the same losses. Checkpoints are written by all
 processes into a temporary folder and swapped in by the main one between barriers, so a crash, a kill or a
 SLURM requeue resumes from the last complete one (`recover_checkpoint`: also when the swap was cut).
+Resume unpickles nothing this project wrote: weights, optimizer and RNG states are read weights-only
+(`torch.load(weights_only=True)`, accelerate's default), the lr schedule's state is JSON in progress.json. (Under
+FSDP, torch's DCP `.metadata` is a pickle by torch's design: a checkpoint folder is trusted like code.)
 
 A time-limit or preemption signal (`STOP_SIGNALS`: SLURM's and submitit's SIGUSR2, SIGTERM) only sets a flag;
 at the next step boundary every process checkpoints, and then the signal's own handler runs (submitit's
@@ -33,6 +36,7 @@ from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from ..data.rows import local_rows
+from ..faults import fault_point
 from ..schema.sections import ObjectiveConfig, TrainConfig
 from . import sharding
 from .budget import plan_budget, pretrain_share_pct
@@ -179,15 +183,13 @@ class FineTuneRecipe:
         if train.compile:  # inductor: fused kernels on CPU and GPU; the first steps pay the compilation.
             # The decoder, not the whole causal LM: the output layer and the loss stay eager (train/loss_head.py)
             model.model.forward = torch.compile(model.model.forward, dynamic=False)
-        if self.master:  # the optimizer steps on the master copies, which no process shares: checkpoint them as objects
+        if self.master:  # the optimizer steps on the master copies, which no process shares: checkpointed by us
             self.model = acc.prepare(model)
             self.optimizer = optimizer
-            acc.register_for_checkpointing(self.optimizer, self.master)
         elif self.sharded:  # FSDP2 syncs its own gradients; the checkpoint holds each process's shards
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = acc.prepare(model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
         if self.teacher is not None:
             self.teacher.eval().requires_grad_(False)
 
@@ -203,11 +205,26 @@ class FineTuneRecipe:
         if self.sharded:
             sharding.load_sharded(self.model, self.optimizer, self.ckpt / sharding.SHARDED_STATE_DIR)
         state = json.loads(progress.read_text())
+        own = self._own_state()
+        for index, (name, obj) in enumerate(own.items()):
+            path = self.ckpt / f"{name}.pt"
+            if not path.exists():  # written before resume stopped unpickling: the same plain state dict
+                path = self.ckpt / f"custom_checkpoint_{index}.pkl"
+            obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:  # an older checkpoint: accelerate's pickle of the same state, read weights-only
+            legacy = self.ckpt / f"custom_checkpoint_{len(own)}.pkl"
+            self.scheduler.load_state_dict(torch.load(legacy, map_location="cpu", weights_only=True))
         self.step_count, self.first_loss, self.elapsed_before = state["step"], state["first_loss"], state["elapsed_s"]
         self.probe_results = {int(k): v for k, v in state.get("probes", {}).items()}
         self.rows.load_state_dict(state.get("rows", {}))
         self.resumed_from = self.step_count
         log.info("resuming fine-tune from step %d/%d", self.step_count, self.budget.steps)
+
+    def _own_state(self) -> dict:
+        """What accelerate does not checkpoint here (bf16-master's optimizer and fp32 copies), by file name."""
+        return {"optimizer": self.optimizer, "master_weights": self.master} if self.master else {}
 
     # --------------------------------------------------------------------------------------------- step
     def _compute(self):
@@ -308,20 +325,28 @@ class FineTuneRecipe:
         acc.save_state(str(tmp), safe_serialization=False)  # tied embeddings share storage
         if self.sharded:  # collective: each process writes its own shards, none the whole state
             sharding.save_sharded(self.model, self.optimizer, tmp / sharding.SHARDED_STATE_DIR)
+        if acc.is_main_process:  # the same on every process: written once, read by all
+            for name, obj in self._own_state().items():
+                torch.save(obj.state_dict(), tmp / f"{name}.pt")
         acc.wait_for_everyone()
         if acc.is_main_process:
+            fault_point("checkpoint.written")
             progress = {
                 "step": self.step_count,
                 "first_loss": self.first_loss,
                 "elapsed_s": elapsed,
                 "probes": self.probe_results,
                 "rows": self.rows.state_dict(),
+                "scheduler": self.scheduler.state_dict(),  # plain numbers: no pickle to load on resume
             }
             _write_atomic(tmp / "progress.json", json.dumps(progress))
+            fault_point("checkpoint.progress_written")
             old = self.ckpt.with_name(CHECKPOINT_DIR + ".old")
             if self.ckpt.exists():
                 self.ckpt.rename(old)
+                fault_point("checkpoint.moved_aside")
             tmp.rename(self.ckpt)
+            fault_point("checkpoint.swapped")
             if old.exists():
                 shutil.rmtree(old)
         acc.wait_for_everyone()
