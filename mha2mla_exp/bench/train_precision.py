@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from .. import atomic
 from ..confutil import typed_section
 from ..machine import allocator, cpu_model
 from ..schema.sections import ModelConfig, TrainConfig
@@ -74,8 +75,8 @@ def merge_rows(path: Path, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         merged = pd.concat([old[~stale], new], ignore_index=True)
     else:
         merged = new
-    merged.to_csv(path.with_name(path.name + ".partial"), index=False)
-    os.replace(path.with_name(path.name + ".partial"), path)
+    with atomic.atomic_path(path) as tmp:
+        merged.to_csv(tmp, index=False)
     return merged
 
 

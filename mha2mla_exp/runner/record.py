@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from ..atomic import write_text
 from ..machine import cpu_model, machine_info  # noqa: F401  (re-exported: the record's machine block)
 
 FINAL_STATUSES = ("ok", "diverged")  # a relaunch skips these; failed or interrupted runs resume
@@ -15,19 +14,8 @@ STOPPED_STATUSES = ("failed", "interrupted", "deferred")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`data` as a record's JSON (no trailing newline: the committed records' bytes), atomically."""
+    write_text(path, json.dumps(data, indent=2, default=_jsonable))
 
 
 def read_results(run_dir: Path) -> dict | None:
@@ -46,9 +34,7 @@ class MetricsLog:
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(line + "\n" for line in kept))
 
     def append(self, record: dict) -> None:
         with self.path.open("a") as f:
