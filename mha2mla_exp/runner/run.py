@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .. import atomic
 from ..data import prepare_data
 from ..mla.lowrank import FACTOR_SPLIT
 from ..models import load_tokenizer
@@ -124,7 +125,7 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # the typed config with what this machine resolved (device, precision, eval dtype): what ran, its identity
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        atomic.write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
         write_json_atomic(run_dir / "results.json", record)
     started = time.perf_counter()
     try:
