@@ -5,11 +5,13 @@
 #      in a fresh venv, and the fast tests below run against it;
 #   2. pip refusing a Python outside requires-python (3.14, which Hydra cannot start on) with its own message.
 #
-#   bash scripts/check_lowest_versions.sh            # PYTHON=python3.11 TORCH=torch==2.13.0 WORK=/tmp/mha2mla_lowest
+#   bash scripts/check_lowest_versions.sh      # PYTHON=python3.11 TORCH=torch==2.13.0+cpu WORK=/tmp/mha2mla_lowest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
-TORCH=${TORCH:-torch==2.13.0}  # a requirement or a wheel; the CPU build comes from $PIP_FIND_LINKS where pip finds it
+# the CPU build, exactly (a bare 2.13.0 would resolve to PyPI's CUDA build): from $PIP_FIND_LINKS where pip finds
+# it, else UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH=${TORCH:-torch==2.13.0+cpu}
 WORK=${WORK:-/tmp/mha2mla_lowest}
 OUT=results/install
 # one test file per dependency family, a few minutes on idle cores: Hydra and the schema, lm-eval (its YAML loader
