@@ -34,7 +34,7 @@ command=("$venv/uv" pip install --python "$venv/python" --resolution lowest-dire
     echo "\$ ${command[*]}"
 } >"$log"
 "${command[@]}" >>"$log" 2>&1
-"$venv/python" -c "from mha2mla_exp.machine import machine_info; print('machine:', machine_info())" >>"$log"
+"$venv/python" -c "import torch; from mha2mla_exp.machine import machine_info; print('machine:', machine_info(torch.device('cpu')))" >>"$log"
 "$venv/uv" pip freeze --python "$venv/python" >"$OUT/lowest_versions.txt"
 
 echo "\$ python -m pytest -q ${TESTS[*]}" >>"$log"
