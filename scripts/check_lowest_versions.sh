@@ -25,7 +25,7 @@ TESTS=(
 mkdir -p "$OUT"
 rm -rf "$WORK" && "$PYTHON" -m venv "$WORK/venv"
 venv="$WORK/venv/bin"
-"$venv/pip" install -q uv
+"$venv/pip" install -q --upgrade pip uv  # an old pip (23.0) does not check requires-python against --python-version
 log="$OUT/lowest_versions.log"
 command=("$venv/uv" pip install --python "$venv/python" --resolution lowest-direct
     ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} -e ".[dev]" "$TORCH")
