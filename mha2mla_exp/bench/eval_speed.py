@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from ..evaluation.commonsense import COLUMNS, evaluate_commonsense
 from ..evaluation.lm import EvalLM
 from ..models import DTYPES, load_model
@@ -129,8 +130,8 @@ def main(argv=None) -> int:
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eval_speed.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "eval_speed.md").write_text(markdown(record))
+    atomic.write_text(args.out / "eval_speed.json", json.dumps(record, indent=1) + "\n")
+    atomic.write_text(args.out / "eval_speed.md", markdown(record))
     return 0
 
 

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import atomic
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("machine", "decode_kernel", "train_precision", "evaluation", "fsdp", "decode_bench")
 PASS = "pass"
@@ -256,12 +258,7 @@ def verdict(ok: bool, reason_if_not: str, reason_if_ok: str = "") -> tuple[str, 
 
 def write_json(path: Path, data: dict) -> None:
     """Atomically: a reader (or a timeout) never meets half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic.write_json(path, data, indent=1, default=str)
 
 
 def stage_path(out: Path, stage: str) -> Path:

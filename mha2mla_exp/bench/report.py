@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
+
 
 def write_csv(rows: list[dict], path: Path) -> None:
     fields: list[str] = []
     for row in rows:
         fields += [k for k in row if k not in fields]
-    with path.open("w", newline="") as f:
+    with atomic.atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
@@ -70,7 +72,7 @@ def machine_info(device: torch.device) -> dict:
 
 def write_machine(info: dict, path: Path) -> None:
     info = dict(info, load_average_at_end=os.getloadavg())
-    path.write_text(json.dumps(info, indent=1) + "\n")
+    atomic.write_text(path, json.dumps(info, indent=1) + "\n")
 
 
 def plot(decode_rows: list[dict], attention_rows: list[dict], path: Path) -> None:
@@ -139,5 +141,6 @@ def plot(decode_rows: list[dict], attention_rows: list[dict], path: Path) -> Non
     for ax in flat[n:]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip("."))
     plt.close(fig)

@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from .. import atomic
 from ..confutil import typed_section
 from ..machine import allocator, cpu_model
 from ..schema.sections import ModelConfig, TrainConfig
@@ -74,8 +75,8 @@ def merge_rows(path: Path, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         merged = pd.concat([old[~stale], new], ignore_index=True)
     else:
         merged = new
-    merged.to_csv(path.with_name(path.name + ".partial"), index=False)
-    os.replace(path.with_name(path.name + ".partial"), path)
+    with atomic.atomic_path(path) as tmp:
+        merged.to_csv(tmp, index=False)
     return merged
 
 
@@ -158,7 +159,7 @@ def record_machine(out: Path) -> None:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         }
-        path.write_text(json.dumps(machines, indent=2))
+        atomic.write_text(path, json.dumps(machines, indent=2))
 
 
 def load_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -229,7 +230,8 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip("."))
 
 
 def write_readme(out: Path) -> None:
@@ -298,7 +300,7 @@ def write_readme(out: Path) -> None:
                 f"![recovery curves]({name}_curves.png)",
                 "",
             ]
-    (out / "README.md").write_text("\n".join(lines))
+    atomic.write_text(out / "README.md", "\n".join(lines))
 
 
 def _by_machine(table: pd.DataFrame) -> list[str]:
@@ -373,8 +375,9 @@ def main(argv=None) -> int:
         curves = pd.concat([c for _, c in loaded], ignore_index=True)
         if table.empty:
             parser.error(f"no finished fine-tune runs under {', '.join(map(str, args.runs_dirs))}")
-        table.to_csv(args.out / f"{args.name}.csv", index=False)
-        curves.to_csv(args.out / f"{args.name}_curves.csv", index=False)
+        for frame, suffix in ((table, ".csv"), (curves, "_curves.csv")):
+            with atomic.atomic_path(args.out / f"{args.name}{suffix}") as tmp:
+                frame.to_csv(tmp, index=False)
         title = dict((name, title) for name, title, _ in RECOVERY_TABLES)[args.name]
         plot(curves, args.out / f"{args.name}_curves.png", title.removeprefix("Recovery at equal tokens, "))
     write_readme(args.out)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -27,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import atomic
 from ..schema.sections import DataConfig
 from .held_out import row_documents
 from .packing import concat_documents, is_held_out, pack
@@ -182,11 +182,9 @@ def load_or_tokenize(
             log.warning("token cache %s is unreadable (%s); tokenizing again", path, e)
     tensors = tokenize_corpus(data, tokenizer, separator)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         small = {k: (v.int() if k in SPLITS else v) for k, v in tensors.items()}  # ids fit int32: half the disk
-        save_file(small, str(tmp), metadata={"key": key})
-        os.replace(tmp, path)
+        with atomic.atomic_path(path, fsync=False) as tmp:  # no fsync: a damaged cache is rebuilt (above)
+            save_file(small, str(tmp), metadata={"key": key})
     return tensors, path, False
 
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .. import atomic
 from ..schema.sections import DataConfig
 from .sources import hub_mixture, mixture_parts, part_name, part_stream
 from .tokens import bos_prefix, tokenize_documents
@@ -158,10 +158,7 @@ def _measured_lengths(parts: list[dict], wanted: int, tokenizer) -> tuple[list[f
         )
         means.append(tokens / len(texts))
         counted.append(len(texts))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"mean_document_tokens": means, "documents_measured": counted}))
-    os.replace(partial, path)
+    atomic.write_text(path, json.dumps({"mean_document_tokens": means, "documents_measured": counted}))
     return means, counted
 
 

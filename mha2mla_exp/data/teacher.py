@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import atomic
 from ..schema.sections import DataConfig, GenerationConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -230,9 +230,8 @@ def generate_shards(data: DataConfig, tokenizer, *, model=None, progress: bool =
             generator = torch.Generator().manual_seed(shard_seed(gen, shard))
             first = first_token_ids(gen, tokenizer, gen.batch_size, generator)
             ids = generate_batch(model, first, gen, generator, eos)
-            tmp = folder / f".{_shard_name(shard)}.{os.getpid()}.tmp"
-            save_file({"ids": ids.int()}, str(tmp))
-            os.replace(tmp, folder / _shard_name(shard))
+            with atomic.atomic_path(folder / _shard_name(shard)) as tmp:
+                save_file({"ids": ids.int()}, str(tmp))
             tokens = int((ids != _PAD).sum())
             manifest["shards"][str(shard)] = {
                 "tokens": tokens,
@@ -258,9 +257,8 @@ def _copy_published(folder: Path, gen: GenerationConfig, published_root: Path | 
         name = _shard_name(shard)
         if (folder / name).is_file() or not (source / name).is_file():
             continue
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        shutil.copyfile(source / name, tmp)
-        os.replace(tmp, folder / name)
+        with atomic.atomic_path(folder / name) as tmp:
+            shutil.copyfile(source / name, tmp)
         manifest["shards"][str(shard)] = published["shards"][str(shard)] | {"copied_from": "published"}
     _write_manifest(folder, manifest)
 
@@ -331,9 +329,7 @@ def _read_manifest(folder: Path) -> dict | None:
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
-    tmp = folder / f".generation.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, folder / "generation.json")
+    atomic.write_text(folder / "generation.json", json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def _machine(device: torch.device) -> str:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from ..atomic import atomic_path
 
 SAMPLES_FILE = "eval_samples.jsonl.gz"
 
@@ -84,21 +84,11 @@ def rows_from_lm_eval(task_name: str, task, logged: Iterable[dict]) -> list[dict
 def write_samples(rows: list[dict], path: str | Path) -> Path:
     """Write `rows` as gzipped JSON lines at `path`, atomically (temp file in the same folder, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            # mtime=0: the same rows give the same bytes
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False, allow_nan=True) + "\n")
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the record unreadable to other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+        # mtime=0: the same rows give the same bytes
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, allow_nan=True) + "\n")
     return path
 
 

@@ -79,7 +79,7 @@ def write_task_folder(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text.replace(DIR_PLACEHOLDER, str(final)))
         try:
-            os.replace(tmp, final)  # atomic: a reader never sees a half-written folder
+            os.rename(tmp, final)  # a folder, atomic: a reader never sees it half-written
         except OSError:
             if not final.is_dir():  # a concurrent writer may have published the same content
                 raise

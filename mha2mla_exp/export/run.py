@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .. import mla  # noqa: F401  (registers the mha2mla model type with the Auto classes)
+from .. import (
+    atomic,
+    mla,  # noqa: F401  (registers the mha2mla model type with the Auto classes)
+)
 from ..mla.spec import MLASpec, ModelShape, kv_elements_per_token
 from . import norm
 from .plan import ExportError, plan_export
@@ -139,7 +142,7 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
     record["verification"] = _logit_change(model, out, sample)
     if dtype != torch.float32:
         record["verification"]["mapping_max_abs_dlogit_fp32"] = _mapping_change(model, ds_config, plan, weights, sample)
-    (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    atomic.write_text(out / RECORD, json.dumps(record, indent=2) + "\n")
     return record
 
 

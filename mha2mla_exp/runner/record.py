@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from ..atomic import write_text
@@ -20,19 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`data` as a record's JSON (no trailing newline: the committed records' bytes), atomically."""
+    write_text(path, json.dumps(data, indent=2, default=_jsonable))
 
 
 def read_results(run_dir: Path) -> dict | None:

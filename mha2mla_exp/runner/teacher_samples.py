@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from .. import atomic
 from ..confutil import CONF_DIR, typed_section
 from ..data import prepare_data
 from ..data.teacher import generation_cost, publish_shards, shard_dir, teacher_documents, teacher_model
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         shown.append({"sample": i, "tokens": len(ids), "text": tokenizer.decode(ids)})
     args.publish.mkdir(parents=True, exist_ok=True)
-    (args.publish / "sample.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in shown))
+    atomic.write_text(args.publish / "sample.jsonl", "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in shown))
     summary = {
         "command": "python -m mha2mla_exp.runner.teacher_samples " + " ".join(args.overrides),
         "data": asdict(data) | {"teacher": {k: getattr(teacher_model(data), k) for k in ("name", "source", "id")}},

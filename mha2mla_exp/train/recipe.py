@@ -35,6 +35,7 @@ from accelerate.utils import set_seed
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
+from .. import atomic
 from ..data.rows import local_rows
 from ..faults import fault_point
 from ..schema.sections import ObjectiveConfig, TrainConfig
@@ -339,7 +340,7 @@ class FineTuneRecipe:
                 "rows": self.rows.state_dict(),
                 "scheduler": self.scheduler.state_dict(),  # plain numbers: no pickle to load on resume
             }
-            _write_atomic(tmp / "progress.json", json.dumps(progress))
+            atomic.write_text(tmp / "progress.json", json.dumps(progress))
             fault_point("checkpoint.progress_written")
             old = self.ckpt.with_name(CHECKPOINT_DIR + ".old")
             if self.ckpt.exists():
@@ -494,13 +495,7 @@ def note_peak_rss(stage: str) -> None:
     path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.json"
     notes = json.loads(path.read_text()) if path.exists() else {}
     notes[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    _write_atomic(path, json.dumps(notes))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    atomic.write_text(path, json.dumps(notes))
 
 
 def remove_checkpoint(checkpoint_root: Path) -> None:
