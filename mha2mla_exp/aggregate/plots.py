@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FormatStrFormatter, NullFormatter
 
 from .files import write_bytes
@@ -55,10 +56,15 @@ def _empty_note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
-def _legend_below(ax, below: float = 0.16, **kwargs) -> None:
+def _legend_below(ax, below: float = 0.16, extra: list[Patch] | None = None, **kwargs) -> None:
     """The panel's legend under its axes (`below`: axes heights under it, room for the tick labels), never over
-    its data."""
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), fontsize="x-small", frameon=False, **kwargs)
+    its data; `extra`: keys that stand for no single artist (a set of bars)."""
+    handles, labels = ax.get_legend_handles_labels()
+    handles += extra or []
+    labels += [h.get_label() for h in extra or []]
+    ax.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -below), fontsize="x-small", frameon=False, **kwargs
+    )
 
 
 def _errors(points: pd.DataFrame) -> np.ndarray:
@@ -281,8 +287,10 @@ def _strategy_avg(ax, in_model_all: pd.DataFrame, in_model: pd.DataFrame, train_
             capsize=3,
         )
     docs = sorted({eval_docs_label(r) for r in chosen.values()})
+    key = []
     if chosen:
-        ax.bar([], [], color="white", edgecolor="black", label=f"ours ({_budget_title(budget)}; {', '.join(docs)})")
+        scored = "; ".join([_budget_title(budget), *filter(None, docs)])
+        key = [Patch(facecolor="white", edgecolor="black", label=f"ours ({scored})")]
     paper_base = in_model_all.loc[in_model_all["method"] == "finetuned_full_attention", "avg_paper"].dropna()
     if len(paper_base):
         ax.axhline(paper_base.iloc[0], color=PAPER, ls="--", lw=1, label="paper: FT full attention")
@@ -292,13 +300,16 @@ def _strategy_avg(ax, in_model_all: pd.DataFrame, in_model: pd.DataFrame, train_
     originals = originals[(originals["method"] == "original") & (originals.apply(eval_docs_label, axis=1) == most_docs)]
     if len(originals):
         ax.axhline(
-            originals["avg"].iloc[0], color=method_color("original"), lw=1, label=f"ours: original ({most_docs})"
+            originals["avg"].iloc[0],
+            color=method_color("original"),
+            lw=1,
+            label="ours: original" + (f" ({most_docs})" if most_docs else ""),
         )
     ax.set_ylim(bottom=bottom)
     ax.set_xticks(x, categories, rotation=30, ha="right")
     ax.set_ylabel(AVG_LABEL)
     ax.grid(alpha=0.3, axis="y")
-    _legend_below(ax, below=0.3, ncols=2)
+    _legend_below(ax, below=0.3, extra=key, ncols=2)
 
 
 def _strategy_perplexity(ax, runs: pd.DataFrame | None, model: str, categories: list[str]) -> None:
@@ -336,17 +347,12 @@ def _strategy_perplexity(ax, runs: pd.DataFrame | None, model: str, categories: 
     for _, b in base.iterrows():
         ax.axhline(b["ppl"], color=method_color("FT full attention"), lw=1, label="ours: FT full attention")
     seeds = "-".join(sorted({s.split()[0] for s in at["seeds"]}))
-    ax.bar(
-        [],
-        [],
-        color="white",
-        edgecolor="black",
-        label=f"ours ({_budget_title(budget)}, {seeds} seeds; 95 %: bootstrap over held-out documents)",
-    )
+    label = f"ours ({_budget_title(budget)}, {seeds} seeds; 95 %: bootstrap over held-out documents)"
+    key = [Patch(facecolor="white", edgecolor="black", label=label)]
     ax.set_xticks(x, categories, rotation=30, ha="right")
     ax.set_ylabel("held-out perplexity (lower is better)")
     ax.grid(alpha=0.3, axis="y")
-    _legend_below(ax, below=0.3)
+    _legend_below(ax, below=0.3, extra=key)
 
 
 def loss_curves(curves: pd.DataFrame, runs: pd.DataFrame) -> Figure:
