@@ -101,7 +101,7 @@ def test_recovery_plot_puts_distillation_compute_first(tmp_path):
     )
     aggregate = build_aggregate([runs])
     assert len(aggregate.probes) == 5
-    figure = aggregate.figures()["recovery_curves"]
+    figure = aggregate.figures()["recovery_curves"].figure
     ppl_seconds, ppl_tokens, avg_seconds, _ = figure.axes
     markers = {
         l.get_label(): (list(l.get_xdata()), list(l.get_ydata())) for l in ppl_seconds.lines if l.get_marker() == "o"

@@ -1,4 +1,4 @@
-"""`python -m mha2mla_exp.aggregate [RUN_DIRS...] [--out DIR] [--wandb-project ENTITY/PROJECT]`"""
+"""`python -m mha2mla_exp.aggregate [RUN_DIRS...] [--out DIR] [--wandb-project ENTITY/PROJECT] [--gallery MD]`"""
 
 from __future__ import annotations
 
