@@ -288,13 +288,16 @@ def perplexity_view(runs: pd.DataFrame) -> pd.DataFrame:
     return ok.loc[:, columns].sort_values(columns, kind="stable").reset_index(drop=True)
 
 
+STRATEGY_COLUMNS = ["strategy", "train_tokens", "ppl", "low", "high", "seeds"]
+
+
 def strategy_perplexities(runs: pd.DataFrame, model: str) -> pd.DataFrame:
     """Table 3's strategies by held-out perplexity, per fine-tune budget: one row per strategy (`strategy_name`) at
     r = d_h/16 (SVD at d_kv = d_h/4), and the full-attention fine-tune, with a bootstrap 95 % interval over the
     held-out documents (seeds' NLLs averaged). Where a strategy ran with several option sets, the options most of
     its kind (with or without SVD) used at that budget stand for it."""
     if not len(runs):
-        return pd.DataFrame(columns=["strategy", "train_tokens", "ppl", "low", "high", "seeds"])
+        return pd.DataFrame(columns=STRATEGY_COLUMNS)
     ok = runs[(runs["status"] == "ok") & (runs["model"] == model) & runs["heldout_ppl"].notna()]
     head = pd.to_numeric(ok["head_dim"], errors="coerce")
     paper_r = (ok["r"] == head // 16) | (ok["rope"] == "none")
@@ -329,11 +332,10 @@ def strategy_perplexities(runs: pd.DataFrame, model: str) -> pd.DataFrame:
                 "ppl": estimate,
                 "low": low,
                 "high": high,
-                "seeds": f"{len(group)} seed" + ("s" if len(group) > 1 else ""),
-                "n_docs": len(set(rows.documents.tolist())) if rows is not None and rows.documents is not None else 0,
+                "seeds": len(group),
             }
         )
-    frame = pd.DataFrame.from_records(records)
+    frame = pd.DataFrame.from_records(records, columns=STRATEGY_COLUMNS)
     # several settings of one strategy at one budget (another lr, say): the one with most seeds
     return (
         frame.sort_values(["seeds", "strategy"], ascending=[False, True])

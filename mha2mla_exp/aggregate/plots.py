@@ -346,7 +346,7 @@ def _strategy_perplexity(ax, runs: pd.DataFrame | None, model: str, categories: 
         )
     for _, b in base.iterrows():
         ax.axhline(b["ppl"], color=method_color("FT full attention"), lw=1, label="ours: FT full attention")
-    seeds = "-".join(sorted({s.split()[0] for s in at["seeds"]}))
+    seeds = "-".join(str(n) for n in sorted({int(at["seeds"].min()), int(at["seeds"].max())}))
     label = f"ours ({_budget_title(budget)}, {seeds} seeds; 95 %: bootstrap over held-out documents)"
     key = [Patch(facecolor="white", edgecolor="black", label=label)]
     ax.set_xticks(x, categories, rotation=30, ha="right")
