@@ -15,7 +15,7 @@ from mha2mla_exp.aggregate import build_aggregate, comparisons, plots
 from mha2mla_exp.aggregate.__main__ import main
 from mha2mla_exp.aggregate.paired import Z95
 from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
-from mha2mla_exp.aggregate.render import main_view, to_markdown
+from mha2mla_exp.aggregate.render import main_view, to_latex
 from mha2mla_exp.evaluation.samples import SAMPLES_FILE, write_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -445,15 +445,11 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
     assert (ft["tokens"], ft["seeds"], ft["Avg ±95%"], ft["vs"]) == ("500,000", "2 (sd 0.7)", "44.5", "original")
 
 
-def test_markdown_without_tabulate(monkeypatch, agg):
-    def missing(*args, **kwargs):
-        raise ImportError("Missing optional dependency 'tabulate'")
-
-    monkeypatch.setattr(pd.DataFrame, "to_markdown", missing)
-    text = to_markdown(main_view(agg.tables["table5"]))
-    header, rule, first = text.splitlines()[:3]
-    assert header.startswith("| row | tokens | eval docs | seeds | Avg ±95% |") and rule.startswith("|---|")
-    assert first.startswith("| FT full attention | 500,000 |  | 2 (sd 0.7) | 44.5 | 0.0 | original |")
+def test_latex_escapes_what_latex_reads_as_markup():
+    # pandas' to_latex (jinja2) escapes; the hand-written fallback it replaced wrote a backslash as \\ (a line break)
+    latex = to_latex(pd.DataFrame({"row": ["a\\b & 5% of x_1", "−1.2"]}))
+    assert r"a\textbackslash b \& 5\% of x\_1" in latex and "-1.2" in latex
+    assert r"a\\b" not in latex
 
 
 def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys):
