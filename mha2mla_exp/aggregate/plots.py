@@ -32,6 +32,10 @@ SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}}
 
 def figure_bytes(figure: Figure, fmt: str) -> bytes:
     """The figure as `fmt` (png | pdf) bytes, the same bytes for the same figure: 150 dpi, tight bounding box."""
+    if figure.get_layout_engine() is not None:
+        # constrained layout moves the axes again on every draw: place them once, then keep them there
+        figure.draw_without_rendering()
+        figure.set_layout_engine("none")
     buffer = io.BytesIO()
     figure.savefig(buffer, format=fmt, dpi=150, bbox_inches="tight", metadata=SAVE_METADATA[fmt])
     return buffer.getvalue()
