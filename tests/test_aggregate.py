@@ -15,7 +15,7 @@ from mha2mla_exp.aggregate import build_aggregate, comparisons, plots
 from mha2mla_exp.aggregate.__main__ import main
 from mha2mla_exp.aggregate.paired import Z95
 from mha2mla_exp.aggregate.reference import paper_commonsense, paper_longbench
-from mha2mla_exp.aggregate.render import main_view, to_markdown
+from mha2mla_exp.aggregate.render import main_view, to_latex
 from mha2mla_exp.evaluation.samples import SAMPLES_FILE, write_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -445,29 +445,29 @@ def test_written_tables_keep_empty_cells_empty(agg, written):
     assert (ft["tokens"], ft["seeds"], ft["Avg ±95%"], ft["vs"]) == ("500,000", "2 (sd 0.7)", "44.5", "original")
 
 
-def test_markdown_without_tabulate(monkeypatch, agg):
-    def missing(*args, **kwargs):
-        raise ImportError("Missing optional dependency 'tabulate'")
-
-    monkeypatch.setattr(pd.DataFrame, "to_markdown", missing)
-    text = to_markdown(main_view(agg.tables["table5"]))
-    header, rule, first = text.splitlines()[:3]
-    assert header.startswith("| row | tokens | eval docs | seeds | Avg ±95% |") and rule.startswith("|---|")
-    assert first.startswith("| FT full attention | 500,000 |  | 2 (sd 0.7) | 44.5 | 0.0 | original |")
+def test_latex_escapes_what_latex_reads_as_markup():
+    # pandas' to_latex (jinja2) escapes; the hand-written fallback it replaced wrote a backslash as \\ (a line break)
+    latex = to_latex(pd.DataFrame({"row": ["a\\b & 5% of x_1", "−1.2"]}))
+    assert r"a\textbackslash b \& 5\% of x\_1" in latex and "-1.2" in latex
+    assert r"a\\b" not in latex
 
 
 def test_cli_with_no_runs_writes_paper_only_tables(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MHA2MLA_RESULTS", raising=False)
     assert main([]) == 0  # results/runs absent
-    assert "no run records found" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no run records found" in out
     t1 = pd.read_csv(tmp_path / "results/aggregate/tables/table1.csv")
     assert len(t1) == 20 and t1["n_seeds"].eq(0).all() and t1["avg"].isna().all()
     assert t1["avg_paper"].notna().all()
     assert "our columns are empty" in (tmp_path / "results/aggregate/tables/table1.md").read_text()
-    for name in ("kv_memory_vs_avg", "strategy_comparison", "loss_curves", "long_context_vs_length"):
-        assert (tmp_path / f"results/aggregate/plots/{name}.png").stat().st_size > 0
-        assert (tmp_path / f"results/aggregate/plots/{name}.pdf").stat().st_size > 0
+    # the paper's points are drawn; a figure of ours only is not written, and the CLI says why
+    assert (tmp_path / "results/aggregate/plots/kv_memory_vs_avg.png").stat().st_size > 0
+    assert (tmp_path / "results/aggregate/plots/kv_memory_vs_avg.pdf").stat().st_size > 0
+    for name in ("strategy_comparison", "loss_curves", "long_context_vs_length"):
+        assert not (tmp_path / f"results/aggregate/plots/{name}.png").exists()
+        assert f"figure {name} not drawn: " in out
 
 
 def test_cli_on_run_dirs(written):
@@ -485,42 +485,52 @@ def series(ax) -> dict[str, tuple[list, list]]:
 
 
 def test_kv_memory_plot_draws_the_paper_line(agg):
-    ax = plots.kv_memory_vs_avg(agg.tables["table1"]).axes[0]
+    (ax,) = [a for a in plots.kv_memory_vs_avg(agg.tables["table1"], runs=agg.runs).axes if a.get_visible()]
     assert ax.get_xlabel() == "KV cache memory (% of MHA)" and ax.get_ylabel() == plots.AVG_LABEL
+    assert ax.get_title().startswith("135M SmolLM · 500,000 fine-tune tokens")  # only the models and budgets we ran
     lines = series(ax)
-    assert set(lines) == {"paper: 135M SmolLM (2.25B tokens)"}  # only the models we ran
-    assert lines["paper: 135M SmolLM (2.25B tokens)"] == ([12.5, 18.75, 31.25, 100.0], [40.97, 41.84, 43.06, 44.25])
-    ours = {c.get_label(): c for c in ax.containers}
-    assert list(ours) == ["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
-    assert list(ours["ours: smollm2-135m (135M SmolLM), 500,000 tokens"].lines[0].get_ydata()) == [39.5, 41.0, 44.5]
-    empty = plots.kv_memory_vs_avg(agg.tables["table1"].iloc[0:0]).axes[0]
-    assert not empty.lines and not empty.containers
+    assert lines == {"paper (2.25B tokens)": ([12.5, 18.75, 31.25, 100.0], [40.97, 41.84, 43.06, 44.25])}
+    ours = {c.get_label(): list(c.lines[0].get_ydata()) for c in ax.containers}
+    # the MLA sweep is one series; its full-attention baseline stands alone at 100 % (no line joins them)
+    assert ours == {"ours": [39.5, 41.0], "ours: FT full attention": [44.5]}
+    assert ax.get_legend() is not None and not ax.get_legend().get_bbox_to_anchor().overlaps(ax.bbox)
+    paper_only = plots.kv_memory_vs_avg(agg.tables["table1"].assign(n_seeds=0))
+    assert [a.get_title() for a in paper_only.axes if a.get_visible()][0] == "135M SmolLM\nno runs of ours"
+    with pytest.raises(plots.NoData):
+        plots.kv_memory_vs_avg(agg.tables["table1"].iloc[0:0])
 
 
-def test_kv_memory_plot_one_line_per_budget_with_whiskers(tmp_path):
+def test_kv_memory_plot_one_panel_per_budget_with_whiskers(tmp_path):
     for tokens in (8192, 32768):
         _write(tmp_path, f"ft{tokens}", _record("finetuned_full_attention", tokens, avg=0.40))
         for d_kv, avg in ((16, 0.31), (8, 0.30)):
             _write(tmp_path, f"mla{tokens}_{d_kv}", _record(tokens=tokens, d_kv=d_kv, avg=avg + tokens / 1e6))
-    ax = plots.kv_memory_vs_avg(build_aggregate([tmp_path]).tables["table1"]).axes[0]
-    lines = {c.get_label(): c for c in ax.containers}
-    assert set(lines) == {
-        f"ours: smollm2-135m (135M SmolLM), {t:,} tokens, 50/task, MMLU 50 · FP32" for t in (8192, 32768)
-    }
-    for label, container in lines.items():
-        tokens = 8192 if "8,192" in label else 32768
-        y = list(container.lines[0].get_ydata())
-        assert y == pytest.approx([100 * (0.30 + tokens / 1e6), 100 * (0.31 + tokens / 1e6), 40.0])  # x ascending
-        whiskers = container.lines[2][0].get_segments()
-        assert len(whiskers) == 3 and all(seg[0][1] < yy < seg[1][1] for seg, yy in zip(whiskers, y))
+    agg = build_aggregate([tmp_path])
+    figure = plots.kv_memory_vs_avg(agg.tables["table1"], runs=agg.runs)
+    panels = [ax for ax in figure.axes if ax.get_visible()]
+    assert [ax.get_title().split("\n")[0] for ax in panels] == [
+        f"135M SmolLM · {t:,} fine-tune tokens" for t in (8192, 32768)
+    ]
+    for ax, tokens in zip(panels, (8192, 32768)):
+        (mla,) = [c for c in ax.containers if c.get_label() == "ours"]
+        y = list(mla.lines[0].get_ydata())
+        assert y == pytest.approx([100 * (0.30 + tokens / 1e6), 100 * (0.31 + tokens / 1e6)])  # x ascending
+        whiskers = mla.lines[2][0].get_segments()
+        assert len(whiskers) == 2 and all(seg[0][1] < yy < seg[1][1] for seg, yy in zip(whiskers, y))
+    one = plots.kv_memory_vs_avg(agg.tables["table1"], budgets=[32768], runs=agg.runs)  # the notebook's parameter
+    assert len([ax for ax in one.axes if ax.get_visible()]) == 1
 
 
 def test_strategy_plot(agg):
-    figure = plots.strategy_comparison(agg.tables["table3"])
-    assert [ax.get_title() for ax in figure.axes] == ["135M SmolLM (Table 3)", "1B7 SmolLM (Table 3)"]
+    figure = plots.strategy_comparison(agg.tables["table3"], agg.runs)
+    assert [ax.get_title() for ax in figure.axes] == [
+        "135M SmolLM: commonsense Avg (Table 3)",  # 1B7 has no run of ours: no panel
+        "135M SmolLM: held-out perplexity, same strategies (ours)",
+    ]
     ax = figure.axes[0]
-    assert ax.get_xlabel() == "partial-RoPE strategy" and ax.get_ylabel() == plots.AVG_LABEL
-    assert [t.get_text() for t in ax.get_xticklabels()] == [
+    assert ax.get_ylabel() == plots.AVG_LABEL
+    strategies = [t.get_text() for t in ax.get_xticklabels()]
+    assert strategies == [
         "high",
         "low",
         "uniform",
@@ -530,26 +540,34 @@ def test_strategy_plot(agg):
         "2-norm+SVD joint",
         "2-norm+SVD split",
     ]
-    bars = {c.get_label(): [b.get_height() for b in c] for c in ax.containers if hasattr(c, "patches")}
-    assert bars["paper"] == [43.4, 37.76, 43.76, 43.77, 41.04, 41.77, 41.84, 40.92]
-    ours = bars["ours: smollm2-135m (135M SmolLM), 500,000 tokens"]
-    assert [None if math.isnan(h) else h for h in ours] == [43.0, None, None, None, None, None, 41.0, 40.0]
-    assert {l.get_label() for l in ax.lines} >= {"paper: FT full attention", "FT full attention, 500,000 tokens"}
-    assert [c.get_label() for c in figure.axes[1].containers] == ["paper"]
+    tops = {(round(p.get_x() + p.get_width() / 2, 1), round(p.get_y() + p.get_height(), 2)) for p in ax.patches}
+    paper = [43.4, 37.76, 43.76, 43.77, 41.04, 41.77, 41.84, 40.92]
+    assert {(round(i - 0.2, 1), h) for i, h in enumerate(paper)} <= tops
+    assert {(0.2, 43.0), (6.2, 41.0), (7.2, 40.0)} <= tops  # ours beside the paper's, where we ran them
+    not_run = sorted(round(t.get_position()[0], 1) for t in ax.texts if t.get_text() == "not run")
+    assert not_run == [1.2, 2.2, 3.2, 4.2, 5.2]  # never a silently missing bar
+    assert "paper: FT full attention" in ax.get_legend_handles_labels()[1]
+    with pytest.raises(plots.NoData):
+        plots.strategy_comparison(agg.tables["table3"].assign(n_seeds=0), agg.runs)
 
 
 def test_loss_curve_plot(agg):
-    ax = plots.loss_curves(agg.curves).axes[0]
+    figure = plots.loss_curves(agg.curves, agg.runs)
+    panels = {ax.get_title().split(" · ")[0]: ax for ax in figure.axes if ax.get_visible()}
+    assert set(panels) == {"table1", "table3", "table5"}  # one per experiment
+    ax = panels["table1"]
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("fine-tuning tokens", "training loss")
-    lines = series(ax)
-    assert lines["smollm2-135m: FT full attention (mean of 2)"] == (
-        [125000, 250000, 375000, 500000],
-        pytest.approx([3.1, 2.9, 2.8, 2.7]),
-    )
-    assert lines["smollm2-135m: partial RoPE uniform r=8 [diverged]"][1] == [3.5, 7.9, 12.4]
-    assert len(lines) == 7  # six ok variants + the diverged run; no curve for the originals
-    dashed = [l.get_label() for l in ax.lines if l.get_linestyle() == "--"]
-    assert dashed == ["smollm2-135m: partial RoPE uniform r=8 [diverged]"]
+    lines = {line.get_label(): line for line in ax.lines if not line.get_label().startswith("_")}
+    mean = lines["FT full attention (mean of 2)"]
+    assert list(mean.get_xdata()) == [125000, 250000, 375000, 500000]
+    assert list(mean.get_ydata()) == pytest.approx([3.1, 2.9, 2.8, 2.7])  # a short curve: nothing to smooth
+    raw = [line for line in ax.lines if line.get_alpha() == 0.2]
+    assert len(raw) == len(lines)  # the raw curve faint behind each
+    diverged = [line for line in panels["table5"].lines if line.get_linestyle() == "--"]
+    assert [line.get_label() for line in diverged] == ["uniform r=8, 375,000 tokens [diverged]"]
+    assert list(diverged[0].get_ydata()) == pytest.approx([3.5, 7.9, 12.4])  # 3 steps: too few to smooth
+    with pytest.raises(plots.NoData):
+        plots.loss_curves(agg.curves.iloc[0:0], agg.runs)
 
 
 def test_long_context_plot(agg):
@@ -568,6 +586,8 @@ def test_long_context_plot(agg):
     )
     assert lines["smollm2-135m: MLA 2-norm r=4 joint d_kv=16"][1] == pytest.approx([100.0, 80.0, 40.0])
     assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512", "1024"]
+    with pytest.raises(plots.NoData):
+        plots.long_context_vs_length(agg.runs[agg.runs["method"] == "none"])
 
 
 def test_plots_saved_as_png_and_pdf(written):

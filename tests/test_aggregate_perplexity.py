@@ -101,7 +101,7 @@ def test_recovery_plot_puts_distillation_compute_first(tmp_path):
     )
     aggregate = build_aggregate([runs])
     assert len(aggregate.probes) == 5
-    figure = aggregate.figures()["recovery_curves"]
+    figure = aggregate.figures()["recovery_curves"].figure
     ppl_seconds, ppl_tokens, avg_seconds, _ = figure.axes
     markers = {
         l.get_label(): (list(l.get_xdata()), list(l.get_ydata())) for l in ppl_seconds.lines if l.get_marker() == "o"
@@ -308,11 +308,12 @@ def test_perplexity_pairs_resolve_only_what_rows_and_seeds_agree_on(tmp_path):
     assert uniform["verdict"] == "not resolved"  # the interval excludes 1 (+0.025 on every row), the seeds disagree
     assert uniform["B/A low"] > 1
     # the forest plot: one labelled row per pair at its ratio, the interval in its verdict's colour
-    ax = perplexity_ratios(pairs, "pairs").axes[0]
+    (ax,) = perplexity_ratios(pairs, "pairs").axes  # one question: strategy against strategy at equal r
+    assert ax.get_title(loc="left").startswith("strategy against strategy at equal r, with SVD")
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert len(labels) == len(pairs) == 3
     y_of = dict(zip(labels, ax.get_yticks()))
-    high_y = next(y for label, y in y_of.items() if label.startswith("RoPE: high") and "2-norm" in label)
+    high_y = next(y for label, y in y_of.items() if label.startswith("high") and "2-norm" in label)
     high_bar = next(ln for ln in ax.lines if ln.get_linestyle() == "-" and list(ln.get_ydata()) == [high_y] * 2)
     assert list(high_bar.get_xdata()) == pytest.approx([high["B/A low"], high["B/A high"]])
     assert high_bar.get_color() == VERDICT_COLORS["B lower"]

@@ -58,6 +58,15 @@ def test_notebook_on_fixture_runs(executed):
     assert "0.43" in exchange.outputs[0]["data"]["text/plain"]  # ours: 3.5 points for 81.25% saved
 
 
+def test_headline_first_picked_by_parameters(executed):
+    notebook = executed["fixtures"]
+    parameters = notebook.cells[1]
+    assert "parameters" in parameters.metadata.get("tags", [])  # papermill -p MODEL ... -p BUDGET ...
+    assert "MODEL = None" in parameters.source and "BUDGET = None" in parameters.source
+    first_image = next(c for c in notebook.cells if any("image/png" in o.get("data", {}) for o in c.get("outputs", [])))
+    assert "kv_memory_vs_avg(table1, [MODEL] if MODEL else None, [BUDGET] if BUDGET else None" in first_image.source
+
+
 def test_notebook_without_runs(executed):
     text, kinds = outputs(executed["empty"])
     assert "0 runs under" in text

@@ -126,7 +126,7 @@ def test_a_changed_output_is_rewritten(agg, tmp_path):
 
 def test_a_pdf_has_the_same_bytes_whenever_it_is_drawn(agg, monkeypatch):
     # matplotlib dates a PDF from SOURCE_DATE_EPOCH when set: two dates, the same bytes
-    figure = loss_curves(agg.curves)
+    figure = loss_curves(agg.curves, agg.runs)
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
     early = figure_bytes(figure, "pdf")
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "2000000000")

@@ -1,10 +1,10 @@
 """Run records -> the paper's tables (1, 2, 3, 5), the studies' tables and the plots, our numbers beside the paper's.
 
     from mha2mla_exp.aggregate import build_aggregate, write_aggregate
-    agg = build_aggregate(["results/runs"])      # agg.tables["table1"], agg.runs, agg.figures()
+    agg = build_aggregate(["results/runs"])      # agg.tables["table1"], agg.runs, agg.figures() (name: PlotFiles)
     write_aggregate(agg, "results/aggregate")
 
-CLI: `python -m mha2mla_exp.aggregate [RUN_DIRS...] [--out DIR] [--wandb-project ENTITY/PROJECT]`.
+CLI: `python -m mha2mla_exp.aggregate [RUN_DIRS...] [--out DIR] [--wandb-project ENTITY/PROJECT] [--gallery MD]`.
 
 What is written is the table registry (`TABLES`): each table or plot is one entry in `catalog.py` naming its
 experiments, its kind (`kinds.py`: the builder) and its caption. How to add one: results/aggregate/README.md.

@@ -26,7 +26,7 @@ from .kinds import (
     ZeroShot,
 )
 from .records import COMMONSENSE, LONGBENCH
-from .table_registry import register
+from .table_registry import FigureSpec, register
 from .tables import TableSpec, select_table1, select_table2, select_table3, select_table5
 
 TEACHER_RECOVERY_GOAL = -2.0  # issue 23: Avg points against the original, a dashed line on its plots
@@ -44,7 +44,12 @@ register(
         caption="Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv",
         note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + BASELINE_NOTE,
         spec=TableSpec("commonsense", select_table1, "avg", COMMONSENSE, paper_table=1, with_kv_memory=True),
-        plot=("kv_memory_vs_avg", plots.kv_memory_vs_avg),
+        plot=FigureSpec(
+            "kv_memory_vs_avg",
+            "What does each KV-cache saving cost in commonsense points, ours against the paper? Per fine-tune budget "
+            "of ours: Avg (95 % interval) against KV memory, the paper's 2.25B-token points as the reference.",
+            lambda table, inputs: plots.kv_memory_vs_avg(table, runs=inputs.runs),
+        ),
     )
 )
 register(
@@ -73,7 +78,13 @@ register(
         caption="Table 3: partial-RoPE strategies, without and with SVD (joint vs split)",
         note="r = d_h/16; SVD rows at d_kv = d_h/4. " + BASELINE_NOTE,
         spec=TableSpec("commonsense", select_table3, "avg", COMMONSENSE, paper_table=3),
-        plot=("strategy_comparison", plots.strategy_comparison),
+        plot=FigureSpec(
+            "strategy_comparison",
+            "Which partial-RoPE strategy keeps most, with and without SVD? Table 3's bars, ours beside the paper's "
+            '(commonsense Avg, 95 % intervals; "not run" where we have no commonsense run), and the same '
+            "strategies by held-out perplexity.",
+            lambda table, inputs: plots.strategy_comparison(table, inputs.runs),
+        ),
     )
 )
 register(
@@ -86,11 +97,38 @@ register(
 )
 
 # ------------------------------------------------------------------ plots over every run
-register(Plot(name="loss_curves", draw=lambda inputs: plots.loss_curves(inputs.curves)))
-register(Plot(name="long_context_vs_length", draw=lambda inputs: plots.long_context_vs_length(inputs.runs)))
-register(RecoveryCurves(name="recovery_curves", experiments=("recovery",)))
-register(RecoveryCurves(name="recovery_study_curves", experiments=("recovery_study",)))
-register(RecoveryCurves(name="teacher_recovery_curves", experiments=("teacher_recovery",)))
+register(
+    Plot(
+        name="loss_curves",
+        figure=FigureSpec(
+            "loss_curves",
+            "Did each study's fine-tunes converge, and which configurations train to a lower loss? One panel per "
+            "experiment (split by its question), smoothed, the raw curve faint behind.",
+            lambda inputs: plots.loss_curves(inputs.curves, inputs.runs),
+        ),
+    )
+)
+register(
+    Plot(
+        name="long_context_vs_length",
+        figure=FigureSpec(
+            "long_context_vs_length",
+            "How does retrieval hold up as the context grows, per KV-cache precision (Table 2)?",
+            lambda inputs: plots.long_context_vs_length(inputs.runs),
+        ),
+    )
+)
+RECOVERY_CURVES_QUESTION = (
+    "Experiment {}: how fast does each recovery recipe bring a conversion back, against wall seconds and tokens?"
+)
+for _name, _experiment in (
+    ("recovery_curves", "recovery"),
+    ("recovery_study_curves", "recovery_study"),
+    ("teacher_recovery_curves", "teacher_recovery"),
+):
+    register(
+        RecoveryCurves(name=_name, experiments=(_experiment,), question=RECOVERY_CURVES_QUESTION.format(_experiment))
+    )
 
 # ------------------------------------------------------------------ every pair of one experiment's rows
 register(
@@ -168,6 +206,9 @@ register(
         experiments=("cpu10x_table3", "cpu10x_table5", "cpu10x_seed1", "cpu10x_table1"),
         caption="Held-out perplexity, every pair of rows of cpu10x_table3, cpu10x_table5, cpu10x_seed1, cpu10x_table1 "
         "that differs in one factor",
+        question="At 164k fine-tune tokens, which of two configurations that differ in one thing fits held-out text "
+        "better? One panel per question: strategy against strategy at equal r, r against r, partial against full "
+        "RoPE or NoPE, SVD variants, options.",
     )
 )
 

@@ -8,18 +8,16 @@ entry of the kind unless an entry gives its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from . import comparisons, plots
 from .perplexity_pairs import perplexity_pairs, perplexity_view
 from .records import COMMONSENSE, COMMONSENSE_PARTS, results_root
 from .recovery_study import recovery_grid, recovery_interactions, recovery_matrix, recovery_table, scored_rows
 from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views
-from .table_registry import Artifact, Entry, Inputs, PlotFiles, TableFiles
+from .table_registry import Artifact, Entry, FigureSpec, Inputs, PlotFiles, TableFiles
 from .tables import TableSpec, build_table, paper_rows
 from .zero_shot import budget_comparison, reference_conversions, zero_shot_table
 
@@ -42,12 +40,12 @@ def _seeds_note(table: pd.DataFrame) -> str:
 class PaperTable(Entry):
     """A table of the paper's kind (`tables.build_table`): our rows beside the paper's, each against its baseline.
     Files: <name>.csv (every column), <name>.md/.tex (the main view), <name>_tasks.md/.tex (per task); `plot`:
-    (plot name, figure of the table) drawn beside it."""
+    the figure drawn beside it from the table and the entry's inputs."""
 
     caption: str
     note: str
     spec: TableSpec
-    plot: tuple[str, Callable[[pd.DataFrame], Figure]] | None = None
+    plot: FigureSpec | None = None
 
     def table(self, runs: pd.DataFrame) -> pd.DataFrame:
         paper, every = paper_rows(self.spec)
@@ -79,7 +77,7 @@ class PaperTable(Entry):
             ),
         ]
         if self.plot is not None:
-            out.append(PlotFiles(self.plot[0], self.plot[1](table)))
+            out.append(self.plot.render(table, inputs))
         return out
 
 
@@ -118,6 +116,8 @@ class Pairwise(Entry):
                         f"Experiment {experiment}: each row against the {reference} model, paired",
                         self.goal,
                     ),
+                    f"Experiment {experiment}: how many commonsense points each row keeps against the {reference} "
+                    "model" + ("" if self.goal is None else f", and which reach the goal ({self.goal:+g} points)"),
                 ),
                 PlotFiles(
                     f"{self.name}_vs_recovery_ppl",
@@ -126,6 +126,8 @@ class Pairwise(Entry):
                         reference,
                         f"Experiment {experiment}: what a row keeps against how well it fits the text it recovered on",
                     ),
+                    f"Experiment {experiment}: does fitting the recovery text better (lower perplexity on it) keep "
+                    f"more of the {reference} model's scores?",
                 ),
             ]
         return out
@@ -165,7 +167,7 @@ class ReferenceConverter(Entry):
             return []
         return [
             TableFiles(self.name, {"": comparison}, self.caption, self.note, csv=comparison),
-            PlotFiles(self.name, plots.budget_vs_reference(comparison)),
+            PlotFiles(self.name, plots.budget_vs_reference(comparison), self.caption),
         ]
 
 
@@ -182,6 +184,7 @@ class PerplexityPairs(Entry):
     (`perplexity_pairs`). Files: <name>.csv/.md/.tex and the forest plot <name>."""
 
     caption: str
+    question: str
     note: str = PERPLEXITY_PAIRS_NOTE
 
     def build(self, inputs: Inputs) -> list[Artifact]:
@@ -192,7 +195,7 @@ class PerplexityPairs(Entry):
         title = f"Held-out perplexity, pairs of rows of {', '.join(self.experiments)}"
         return [
             TableFiles(self.name, {"": view}, self.caption, self.note, csv=view),
-            PlotFiles(self.name, plots.perplexity_ratios(pairs, title)),
+            PlotFiles(self.name, plots.perplexity_ratios(pairs, title), self.question),
         ]
 
 
@@ -278,6 +281,8 @@ class RecoveryStudy(Entry):
                     f"Experiment {experiment}: what each conversion keeps after each recovery, against the original",
                     self.goal,
                 ),
+                f"Experiment {experiment}: what each conversion keeps after each recovery, against the original"
+                + ("" if self.goal is None else f" (goal: {self.goal:+g} points)"),
             )
         )
         return out
@@ -321,17 +326,26 @@ class PerplexityView(Entry):
 
 @dataclass(frozen=True, kw_only=True)
 class Plot(Entry):
-    """A plot of its own, drawn whatever the runs (an empty one says so): plots/<name>.png/.pdf."""
+    """A figure of its own (`figure`, drawn from the entry's inputs): plots/<name>.png/.pdf, or nothing when it
+    has no data."""
 
-    draw: Callable[[Inputs], Figure]
+    figure: FigureSpec
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.figure.name != self.name:
+            raise ValueError(f"plot entry {self.name!r} declares figure {self.figure.name!r}")
 
     def build(self, inputs: Inputs) -> list[Artifact]:
-        return [PlotFiles(self.name, self.draw(inputs))]
+        return [self.figure.render(inputs)]
 
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryCurves(Entry):
     """Held-out perplexity and Avg against the compute spent recovering, one experiment (`plots.recovery_curves`)."""
 
+    question: str
+
     def build(self, inputs: Inputs) -> list[Artifact]:
-        return [PlotFiles(self.name, plots.recovery_curves(inputs.runs, inputs.probes, self.experiment))]
+        figure = plots.recovery_curves(inputs.runs, inputs.probes, self.experiment)
+        return [PlotFiles(self.name, figure, self.question)]

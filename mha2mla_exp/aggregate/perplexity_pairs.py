@@ -30,7 +30,7 @@ import pandas as pd
 
 from .paired import BOOTSTRAP_SEED, N_BOOTSTRAP
 from .records import BUDGET_KEYS, CONFIG_KEYS, options_from_label
-from .render import row_label
+from .render import row_label, strategy_name
 from .tables import _missing, _text, seeds_once
 
 # factor -> the row keys it spans; rows that differ in exactly one factor are compared
@@ -147,13 +147,25 @@ def ratio_interval(
 ) -> tuple[float, float, float]:
     """B/A perplexity and its paired percentile bootstrap interval over the same held-out rows, resampling
     documents (their rows together) when `a` knows each row's document, else rows."""
-    diff = (b.nll - a.nll) * a.tokens  # per row, summed NLL difference
-    estimate = float(np.exp(diff.sum() / a.tokens.sum()))
-    groups = a.documents if a.documents is not None else np.arange(len(diff))
+    return _exp_mean_interval((b.nll - a.nll) * a.tokens, a, n_boot, seed, level)  # per row, summed NLL difference
+
+
+def perplexity_interval(
+    rows: HeldOutRows, *, n_boot: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED, level: float = 0.95
+) -> tuple[float, float, float]:
+    """One configuration's held-out perplexity and its percentile bootstrap interval over the held-out documents
+    (rows when their documents are unknown): which text was held out, not training noise."""
+    return _exp_mean_interval(rows.nll * rows.tokens, rows, n_boot, seed, level)
+
+
+def _exp_mean_interval(summed: np.ndarray, rows: HeldOutRows, n_boot: int, seed: int, level: float):
+    """exp(sum(summed) / tokens) and its bootstrap interval, resampling `rows`' documents (their rows together)."""
+    estimate = float(np.exp(summed.sum() / rows.tokens.sum()))
+    groups = rows.documents if rows.documents is not None else np.arange(len(summed))
     keys, inverse = np.unique(groups, return_inverse=True)
-    diff_g, tokens_g = np.bincount(inverse, diff), np.bincount(inverse, a.tokens)
+    summed_g, tokens_g = np.bincount(inverse, summed), np.bincount(inverse, rows.tokens)
     idx = np.random.default_rng(seed).integers(0, len(keys), size=(n_boot, len(keys)))
-    boot = np.exp(diff_g[idx].sum(1) / tokens_g[idx].sum(1))
+    boot = np.exp(summed_g[idx].sum(1) / tokens_g[idx].sum(1))
     tail = 100 * (1 - level) / 2
     return estimate, float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
 
@@ -186,6 +198,26 @@ def _label(run: dict) -> str:
     return f"{row_label(run)} @ {int(run.get('train_tokens') or 0):,} tokens"
 
 
+FACTOR_QUESTIONS = {
+    "SVD": "SVD variants: joint against split, and d_kv",
+    "options": "conversion options",
+    "recipe": "recovery recipes",
+    "precision": "training precision",
+    "budget": "fine-tune budget",
+}
+
+
+def pair_question(factor: str, a: dict, b: dict) -> str:
+    """The question a pair answers, for splitting a forest plot: RoPE pairs by what they vary, with or without SVD."""
+    if factor != "RoPE":
+        return FACTOR_QUESTIONS[factor]
+    if _partial(a) and _partial(b):
+        question = "strategy against strategy at equal r" if _differs(a, b, "rope") else "r against r, one strategy"
+    else:
+        question = "partial RoPE against full RoPE or NoPE"
+    return question + (", with SVD" if _low_rank(a) or _low_rank(b) else ", without SVD")
+
+
 def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
     """Every pair of rows of `experiments` that differ in one factor, B/A with its interval and verdict."""
     rows = _rows(runs, experiments)
@@ -214,6 +246,7 @@ def perplexity_pairs(runs: pd.DataFrame, experiments) -> pd.DataFrame:
             verdict = "not resolved"
         records.append(
             {
+                "question": pair_question(factor, a[0], b[0]),
                 "factor": factor,
                 "A": _label(a[0]),
                 "B": _label(b[0]),
@@ -253,3 +286,59 @@ def perplexity_view(runs: pd.DataFrame) -> pd.DataFrame:
     ok = runs[runs["status"] == "ok"] if len(runs) else runs
     columns = [c for c in PERPLEXITY_COLUMNS if c in runs.columns]
     return ok.loc[:, columns].sort_values(columns, kind="stable").reset_index(drop=True)
+
+
+STRATEGY_COLUMNS = ["strategy", "train_tokens", "ppl", "low", "high", "seeds"]
+
+
+def strategy_perplexities(runs: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Table 3's strategies by held-out perplexity, per fine-tune budget: one row per strategy (`strategy_name`) at
+    r = d_h/16 (SVD at d_kv = d_h/4), and the full-attention fine-tune, with a bootstrap 95 % interval over the
+    held-out documents (seeds' NLLs averaged). Where a strategy ran with several option sets, the options most of
+    its kind (with or without SVD) used at that budget stand for it."""
+    if not len(runs):
+        return pd.DataFrame(columns=STRATEGY_COLUMNS)
+    ok = runs[(runs["status"] == "ok") & (runs["model"] == model) & runs["heldout_ppl"].notna()]
+    head = pd.to_numeric(ok["head_dim"], errors="coerce")
+    paper_r = (ok["r"] == head // 16) | (ok["rope"] == "none")
+    paper_svd = (ok["svd"] == "none") | (ok["d_kv"] == head // 4)
+    kept = ok[
+        (ok["method"] == "finetuned_full_attention")
+        | (
+            ok["method"].isin(["partial_rope", "partial_rope+svd"])
+            & paper_r.fillna(False)
+            & paper_svd.fillna(False)
+            & ok["kv_elements"].isna()
+        )
+    ]
+    groups = list(seeds_once(kept.sort_values("run_dir").to_dict("records"), ROW).values())
+    usual = {}  # (budget, with SVD) -> the options most rows used
+    for group in groups:
+        usual.setdefault((_text(group[0]["train_tokens"]), _low_rank(group[0])), []).append(_text(group[0]["options"]))
+    records = []
+    for group in groups:
+        first = group[0]
+        options = usual[(_text(first["train_tokens"]), _low_rank(first))]
+        if first["method"] != "finetuned_full_attention" and _text(first["options"]) != max(
+            sorted(set(options)), key=options.count
+        ):
+            continue
+        rows = _row_nll(group)
+        estimate, low, high = perplexity_interval(rows) if rows is not None else (_ppl(group), np.nan, np.nan)
+        records.append(
+            {
+                "strategy": strategy_name(first),
+                "train_tokens": int(first["train_tokens"] or 0),
+                "ppl": estimate,
+                "low": low,
+                "high": high,
+                "seeds": len(group),
+            }
+        )
+    frame = pd.DataFrame.from_records(records, columns=STRATEGY_COLUMNS)
+    # several settings of one strategy at one budget (another lr, say): the one with most seeds
+    return (
+        frame.sort_values(["seeds", "strategy"], ascending=[False, True])
+        .drop_duplicates(["strategy", "train_tokens"])
+        .reset_index(drop=True)
+    )

@@ -7,20 +7,20 @@ a file whose bytes are unchanged untouched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from . import catalog  # noqa: F401  (registers the tables)
 from .files import write_text
 from .kinds import PaperTable
-from .plots import save_figure
+from .plots import SAVE_METADATA, save_figure
 from .records import canonical_runs, load_runs, results_root, training_curves, variant_label
 from .render import views_text, write_csv
-from .table_registry import TABLES, Artifact, Entry, Inputs, PlotFiles, TableFiles
+from .table_registry import TABLES, Artifact, Entry, Inputs, PlotFiles, SkippedPlot, TableFiles
 
 
 @dataclass
@@ -39,10 +39,10 @@ class Aggregate:
         """What `entry` reads: the runs of its experiments, their curves and probes (all of them for None)."""
         return entry_inputs(entry, self.runs, self.curves, self.probes, self.tables)
 
-    def figures(self) -> dict[str, Figure]:
-        """Every registered entry's plots, by name (this builds every entry)."""
+    def figures(self) -> dict[str, PlotFiles]:
+        """Every registered entry's figures with data, by name (this builds every entry)."""
         return {
-            artifact.name: artifact.figure
+            artifact.name: artifact
             for entry in TABLES
             for artifact in entry.build(self.inputs(entry))
             if isinstance(artifact, PlotFiles)
@@ -91,8 +91,22 @@ def build_aggregate(
     return Aggregate(records=records, runs=runs, tables=tables, curves=curves, probes=probes)
 
 
+class Written(list):
+    """The paths written or found up to date; `figures`: {name: question} of the figures written, `skipped`:
+    {name: why} of those with nothing to draw (their stale files removed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.figures: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
+
+
 def write_artifact(artifact: Artifact, out_dir: Path) -> list[Path]:
-    """A table's files under out_dir/tables, a plot's under out_dir/plots."""
+    """A table's files under out_dir/tables, a plot's under out_dir/plots; a skipped plot's old files removed."""
+    if isinstance(artifact, SkippedPlot):
+        for fmt in SAVE_METADATA:
+            (out_dir / "plots" / f"{artifact.name}.{fmt}").unlink(missing_ok=True)
+        return []
     if isinstance(artifact, PlotFiles):
         return save_figure(artifact.figure, out_dir / "plots", artifact.name)
     tables = out_dir / "tables"
@@ -104,23 +118,59 @@ def write_artifact(artifact: Artifact, out_dir: Path) -> list[Path]:
     ]
 
 
-def write_aggregate(aggregate: Aggregate, out_dir: str | Path, entries: Iterable[Entry] | None = None) -> list[Path]:
+def write_aggregate(aggregate: Aggregate, out_dir: str | Path, entries: Iterable[Entry] | None = None) -> Written:
     """Every registered entry's files (tables/<name>.{csv,md,tex}, plots/<name>.{png,pdf}) and runs.csv under
-    `out_dir`; the paths written or found already up to date. `entries`: only these (default: the registry)."""
+    `out_dir`; the paths written or found already up to date, with the figures drawn and skipped. `entries`: only
+    these (default: the registry)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    written = Written()
     owner: dict[tuple[str, str], str] = {}  # (tables | plots, file name) -> the entry that wrote it
     for entry in TABLES if entries is None else entries:
         for artifact in entry.build(aggregate.inputs(entry)):
-            key = ("plots" if isinstance(artifact, PlotFiles) else "tables", artifact.name)
+            key = ("tables" if isinstance(artifact, TableFiles) else "plots", artifact.name)
             if key in owner:  # two entries (or one, twice) would overwrite each other's files
                 raise ValueError(f"{key[0]}/{artifact.name} is written by both {owner[key]!r} and {entry.name!r}")
             owner[key] = entry.name
             written += write_artifact(artifact, out_dir)
+            if isinstance(artifact, PlotFiles):
+                written.figures[artifact.name] = artifact.question
+            elif isinstance(artifact, SkippedPlot):
+                written.skipped[artifact.name] = artifact.reason
     # every run, also those left out of the tables (status != ok), so failures stay visible
     runs = aggregate.runs.assign(in_tables=aggregate.runs["status"] == "ok")
-    return written + [write_csv(runs, out_dir / "runs.csv")]
+    written.append(write_csv(runs, out_dir / "runs.csv"))
+    return written
+
+
+REBUILD = "python -m mha2mla_exp.aggregate results/runs --gallery docs/FIGURES.md"
+
+
+def gallery_markdown(written: Written, plots_dir: Path, gallery: Path) -> str:
+    """docs/FIGURES.md: every figure written with its question and the command that rebuilds it, then the
+    declared figures that had no data and why."""
+    link = Path(os.path.relpath(plots_dir, gallery.parent)).as_posix()
+    lines = [
+        "# Figures",
+        "",
+        "Every figure the aggregate draws from the committed run records (results/runs), with the question it "
+        f"answers. Rebuild them all (and this page) with `{REBUILD}`; each is declared, with its question, in "
+        "`mha2mla_exp/aggregate/catalog.py`. Never edited by hand.",
+        "",
+    ]
+    for name, question in written.figures.items():
+        image, pdf = f"![{name}]({link}/{name}.png)", f"PDF: [{name}.pdf]({link}/{name}.pdf)"
+        lines += [f"## {name}", "", question, "", image, "", pdf, ""]
+    if written.skipped:
+        lines += ["## Not drawn: no data", ""]
+        lines += [f"- `{name}`: {reason}" for name, reason in written.skipped.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_gallery(written: Written, plots_dir: Path, gallery: str | Path) -> Path:
+    gallery = Path(gallery)
+    return write_text(gallery, gallery_markdown(written, Path(plots_dir), gallery))
 
 
 __all__ = [
@@ -128,6 +178,8 @@ __all__ = [
     "build_aggregate",
     "write_aggregate",
     "write_artifact",
+    "write_gallery",
+    "Written",
     "entry_inputs",
     "results_root",
     "TableFiles",

@@ -1,5 +1,6 @@
-"""The paper's comparisons as matplotlib figures. Each function returns its Figure (no pyplot state),
-so callers can test the axes and series or save them with `save_figure`."""
+"""The paper's comparisons as matplotlib figures. Each function returns its Figure (no pyplot state), so callers
+can test the axes and series or save them with `save_figure`, or raises `NoData` (the figure is then not
+written). Colours come from `palette`: one per method in every figure."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FormatStrFormatter, NullFormatter
+from matplotlib.patches import Patch
+from matplotlib.ticker import EngFormatter, FormatStrFormatter, NullFormatter
 
 from .files import write_bytes
-from .records import recovery_recipe, variant_label
-from .render import TASK_NAMES, eval_docs_label
+from .palette import PAPER, PAPER_FILL, method_color, method_of_row, shades
+from .perplexity_pairs import strategy_perplexities
+from .records import recipe_label, recovery_recipe, variant_label
+from .render import TASK_NAMES, eval_docs_label, row_label, strategy_name
+from .table_registry import NoData
 
 AVG_LABEL = "Avg commonsense score (points)"
 _LONG_CONTEXT_KEY = re.compile(r"^long_context\.(?P<task>.+)@(?P<length>\d+)$")
@@ -27,6 +32,10 @@ SAVE_METADATA = {"png": {}, "pdf": {"CreationDate": None}}
 
 def figure_bytes(figure: Figure, fmt: str) -> bytes:
     """The figure as `fmt` (png | pdf) bytes, the same bytes for the same figure: 150 dpi, tight bounding box."""
+    if figure.get_layout_engine() is not None:
+        # constrained layout moves the axes again on every draw: place them once, then keep them there
+        figure.draw_without_rendering()
+        figure.set_layout_engine("none")
     buffer = io.BytesIO()
     figure.savefig(buffer, format=fmt, dpi=150, bbox_inches="tight", metadata=SAVE_METADATA[fmt])
     return buffer.getvalue()
@@ -37,32 +46,29 @@ def save_figure(figure: Figure, out_dir: Path, name: str) -> list[Path]:
     return [write_bytes(Path(out_dir) / f"{name}.{fmt}", figure_bytes(figure, fmt)) for fmt in SAVE_METADATA]
 
 
-def _ours_name(ours_model, model) -> str:
-    return f"ours: {ours_model}" if ours_model == model else f"ours: {ours_model} ({model})"
-
-
-def _series_name(group: pd.DataFrame, model) -> str:
-    """One series of ours: a model at one budget on one doc sample."""
-    first = group.iloc[0]
-    docs = eval_docs_label(first)
-    name = f"{_ours_name(first['ours_model'], model)}, {int(first['train_tokens']):,} tokens"
-    return name + (f", {docs}" if docs else "")
+def what_differs(descriptions: list[dict[str, str]]) -> tuple[list[str], list[str]]:
+    """Series labels from the parts of their descriptions that differ between them, and the parts they share
+    (for the panel's title): a label says what sets a series apart, not everything about it."""
+    keys = list(dict.fromkeys(k for d in descriptions for k in d))
+    varying = [k for k in keys if len({d.get(k, "") for d in descriptions}) > 1]
+    shared = [descriptions[0].get(k, "") for k in keys if k not in varying] if descriptions else []
+    labels = [", ".join(d.get(k, "") for k in varying if d.get(k, "")) for d in descriptions]
+    return labels, [s for s in shared if s]
 
 
 def _empty_note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
-_SERIES = ["ours_model", "train_tokens", "eval_sample", "eval_dtype"]
-
-
-def _ours_series(rows: pd.DataFrame):
-    """Our rows grouped into series: one per (model, budget, eval sample, eval dtype)."""
-    ours = rows[rows["n_seeds"].fillna(0) > 0]
-    if not len(ours):
-        return []
-    keys = ours[_SERIES].astype(object).where(ours[_SERIES].notna(), "").astype(str).agg("|".join, axis=1)
-    return list(ours.groupby(keys, sort=False))
+def _legend_below(ax, below: float = 0.16, extra: list[Patch] | None = None, **kwargs) -> None:
+    """The panel's legend under its axes (`below`: axes heights under it, room for the tick labels), never over
+    its data; `extra`: keys that stand for no single artist (a set of bars)."""
+    handles, labels = ax.get_legend_handles_labels()
+    handles += extra or []
+    labels += [h.get_label() for h in extra or []]
+    ax.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -below), fontsize="x-small", frameon=False, **kwargs
+    )
 
 
 def _errors(points: pd.DataFrame) -> np.ndarray:
@@ -71,62 +77,32 @@ def _errors(points: pd.DataFrame) -> np.ndarray:
     return np.vstack([low.to_numpy(), high.to_numpy()])
 
 
-def kv_memory_vs_avg(table1: pd.DataFrame, models: list[str] | None = None) -> Figure:
-    """Avg against KV memory (% of MHA) per model: the paper's fine-tuned baseline and MLA rows dashed; ours
-    one line per budget (fine-tune tokens), doc sample and conversion options, with 95% whiskers. Each line
-    starts at its budget's baseline (the full-attention fine-tune; the original model for 0 tokens), at
-    100% by definition; an MLA row whose memory was not measured is left out rather than placed by formula.
-    With runs of ours, only their models' paper lines are drawn."""
-    figure = Figure(figsize=(8, 5))
-    ax = figure.add_subplot()
-    rows = table1 if models is None else table1[table1["model"].isin(models)]
-    ours_models = rows.loc[rows["n_seeds"].fillna(0) > 0, "model"].dropna().unique()
-    n_ours = 0
-    for m, model in enumerate(ours_models if len(ours_models) else rows["model"].dropna().unique()):
-        in_model = rows[rows["model"] == model]
-        paper = in_model[in_model["method"].isin(["finetuned_full_attention", "partial_rope+svd"])]
-        paper = paper.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"])
-        points = _memory_points(paper, "paper")
-        if len(points):
-            ax.plot(
-                points["x"],
-                points["y"],
-                marker="o",
-                mfc="none",
-                ls="--",
-                color="black" if len(ours_models) else f"C{m}",
-                alpha=1.0 / (1 + m),
-                label=f"paper: {model} (2.25B tokens)",
-            )
-        for _, group in _ours_series(in_model):
-            tokens = group["train_tokens"].iloc[0]
-            base = group[group["method"] == ("finetuned_full_attention" if tokens else "original")]
-            mla = group[group["method"] == "partial_rope+svd"]
-            for options, converted in mla.groupby(mla["options"].fillna(""), sort=True):
-                series = pd.concat([base, converted])
-                points = _memory_points(series, "ours")
-                if len(points):
-                    name = _series_name(series, model) + (f", {options}" if options else "")
-                    # a small sideways offset per line, so that whiskers at one memory size stay apart
-                    ax.errorbar(
-                        points["x"] + 0.7 * n_ours,
-                        points["y"],
-                        yerr=_errors(points),
-                        marker="s",
-                        capsize=3,
-                        color=f"C{n_ours}",
-                        label=name,
-                    )
-                    n_ours += 1
-    ax.set_xlabel("KV cache memory (% of MHA)")
-    ax.set_ylabel(AVG_LABEL)
-    ax.set_title("Compression vs performance (Table 1); whiskers: 95% intervals")
-    if ax.lines or ax.containers:
-        ax.legend(fontsize="x-small")
-    else:
-        _empty_note(ax, "no Table 1 rows with both memory and Avg")
-    ax.grid(alpha=0.3)
-    return figure
+def _docs_total(row) -> int:
+    docs = row.get("eval_docs")
+    return sum(docs.values()) if isinstance(docs, dict) else 0
+
+
+def _train_data(runs: pd.DataFrame | None) -> dict[str, str]:
+    """setting -> recovery text other than the corpus (the tables do not carry it; the runs do)."""
+    if runs is None or not len(runs) or "train_data" not in runs:
+        return {}
+    named = runs[runs["train_data"].apply(lambda v: isinstance(v, str))]
+    return dict(zip(named["setting"], named["train_data"]))
+
+
+def _recipe_description(row, train_data: dict[str, str]) -> dict[str, str]:
+    """What can set two of our rows apart besides the conversion: its options, recovery recipe and eval docs."""
+    recipe = recipe_label({**row, "train_data": train_data.get(row.get("setting"))})
+    options = row.get("options")
+    return {
+        "options": options if isinstance(options, str) else "default options",
+        "recipe": recipe or "the paper's recipe",
+        "docs": eval_docs_label(row),
+    }
+
+
+def _ours(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows[rows["n_seeds"].fillna(0) > 0]
 
 
 def _memory_points(rows: pd.DataFrame, source: str) -> pd.DataFrame:
@@ -140,115 +116,411 @@ def _memory_points(rows: pd.DataFrame, source: str) -> pd.DataFrame:
     return points.dropna(subset=["x", "y"]).sort_values("x")
 
 
-def _strategy_name(row) -> str:
-    if row["method"] == "partial_rope":
-        return str(row["rope"])
-    return f"{row['rope']}+SVD {row['svd']}"
+MAX_SERIES = 7  # per panel; the rest are in the table
 
 
-def strategy_comparison(table3: pd.DataFrame, models: list[str] | None = None) -> Figure:
-    """Table 3 as bars: Avg per partial-RoPE strategy (with and without SVD), the paper's beside ours (one
-    series per budget and doc sample, 95% whiskers), one panel per model; horizontal lines mark each
-    series' full-attention fine-tune."""
-    rows = table3 if models is None else table3[table3["model"].isin(models)]
-    strategies = rows[rows["method"].isin(["partial_rope", "partial_rope+svd"]) & rows["options"].isna()]
-    model_names = list(strategies["model"].dropna().unique())
-    figure = Figure(figsize=(max(6, 6 * len(model_names)), 4.5))
-    if not model_names:
-        _empty_note(figure.add_subplot(), "no Table 3 rows")
-        return figure
-    axes = figure.subplots(1, len(model_names), squeeze=False)[0]
-    for ax, model in zip(axes, model_names):
-        in_model = strategies[strategies["model"] == model].assign(strategy=lambda f: f.apply(_strategy_name, axis=1))
-        categories = list(dict.fromkeys(in_model["strategy"]))
-        series = {"paper": (in_model.groupby("strategy", sort=False)["avg_paper"].first(), None)}
-        for _, group in _ours_series(in_model):
-            if group["avg"].notna().any():
-                by = group.groupby("strategy", sort=False)
-                interval = (by["avg_low"].first(), by["avg_high"].first())
-                series[_series_name(group, model)] = (by["avg"].first(), interval)
-        width = 0.8 / len(series)
-        x = np.arange(len(categories))
-        for i, (label, (values, interval)) in enumerate(series.items()):
-            heights = values.reindex(categories).astype(float).to_numpy()
-            yerr = None
-            if interval is not None:
-                low, high = (v.reindex(categories).astype(float).to_numpy() for v in interval)
-                yerr = np.nan_to_num(np.vstack([heights - low, high - heights]))
-            ax.bar(
-                x + (i - (len(series) - 1) / 2) * width,
-                heights,
-                width,
-                label=label,
-                yerr=yerr,
-                capsize=2,
-                color="lightgrey" if label == "paper" else f"C{i - 1}",
-                edgecolor="black",
-                linewidth=0.5,
-            )
-        baselines = rows[(rows["model"] == model) & (rows["method"] == "finetuned_full_attention")]
-        paper_base = baselines["avg_paper"].dropna().unique()
-        if len(paper_base) == 1:
-            ax.axhline(paper_base[0], color="black", ls="--", lw=1, label="paper: FT full attention")
-        for i, (_, group) in enumerate(_ours_series(baselines)):
-            if group["avg"].notna().any():
-                ax.axhline(
-                    group["avg"].iloc[0],
-                    color="black",
-                    ls="-",
-                    lw=1,
-                    alpha=0.4 + 0.6 / (i + 1),
-                    label=f"FT full attention, {int(group['train_tokens'].iloc[0]):,} tokens",
-                )
-        heights = (
-            pd.concat(
-                [
-                    in_model["avg_paper"],
-                    in_model["avg_low"],
-                    in_model["avg_high"],
-                    baselines["avg_paper"],
-                    baselines["avg"],
-                ]
-            )
-            .astype(float)
-            .dropna()
-        )
-        if len(heights):
-            ax.set_ylim(heights.min() - 3, heights.max() + 2)  # the differences are a few points
-        ax.set_xticks(x, categories, rotation=30, ha="right")
-        ax.set_xlabel("partial-RoPE strategy")
+def _budget_title(tokens) -> str:
+    return "conversion only (0 tokens)" if not tokens else f"{int(tokens):,} fine-tune tokens"
+
+
+def kv_memory_vs_avg(
+    table1: pd.DataFrame, models: list[str] | None = None, budgets=None, runs: pd.DataFrame | None = None
+) -> Figure:
+    """What each KV saving costs, ours against the paper: commonsense Avg (95 % whiskers) against KV memory (% of
+    MHA), one panel per model and fine-tune budget of ours (`budgets`: only these), the paper's 2.25B-token points
+    dashed in every panel. A line joins one recipe's d_kv sweep; its full-attention baseline (fine-tuned on the
+    same tokens, the original for 0) stands alone at 100 %. Models without runs of ours are drawn only when no
+    model has any (the paper's points alone)."""
+    rows = table1 if models is None else table1[table1["model"].isin(models)]
+    ours = _ours(rows)
+    mla = ours[(ours["method"] == "partial_rope+svd") & ours["kv_mem_change_pct"].notna() & ours["avg"].notna()]
+    if budgets is not None:
+        mla = mla[mla["train_tokens"].isin(list(budgets))]
+    panels = sorted({(m, int(t)) for m, t in zip(mla["model"], mla["train_tokens"])}, key=lambda p: (p[0], p[1]))
+    if not panels:
+        panels = [(m, None) for m in rows.loc[rows["avg_paper"].notna(), "model"].unique()]
+    if not panels:
+        raise NoData("no Table 1 row has both a KV memory and an Avg")
+    ncols = min(4, len(panels))
+    nrows = -(-len(panels) // ncols)
+    figure = Figure(figsize=(4.6 * ncols, 5.2 * nrows), layout="constrained")
+    axes = figure.subplots(nrows, ncols, squeeze=False, sharey=True)
+    train_data = _train_data(runs)
+    for ax, (model, tokens) in zip(axes.flat, panels):
+        in_model = rows[rows["model"] == model]
+        paper = in_model[in_model["method"].isin(["finetuned_full_attention", "partial_rope+svd"])]
+        paper = _memory_points(paper.dropna(subset=["avg_paper"]).drop_duplicates(["method", "d_kv"]), "paper")
+        ax.plot(paper["x"], paper["y"], "o--", mfc="white", color=PAPER, label="paper (2.25B tokens)")
+        shared = _draw_budget(ax, _ours(in_model), tokens, train_data) if tokens is not None else "no runs of ours"
+        title = f"{model} · {_budget_title(tokens)}" if tokens is not None else model
+        ax.set_title(title + "\n" + textwrap.fill(shared, 60), fontsize=8)
+        ax.set_xlabel("KV cache memory (% of MHA)")
+        ax.set_xlim(0, 110)
+        ax.grid(alpha=0.3)
+        _legend_below(ax)
+    for ax in axes[:, 0]:
         ax.set_ylabel(AVG_LABEL)
-        ax.set_title(f"{model} (Table 3)")
-        ax.legend(fontsize="x-small")
-    figure.tight_layout()
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    figure.suptitle("What each KV saving costs: ours (filled, 95 % whiskers) against the paper (hollow)")
     return figure
 
 
-def loss_curves(curves: pd.DataFrame) -> Figure:
-    """Training loss per variant: runs of one configuration (seeds) averaged per step; runs that did not
-    finish ok are drawn dashed, one by one, with their status in the label."""
-    figure = Figure(figsize=(7, 4.5))
-    ax = figure.add_subplot()
-    by_tokens = len(curves) > 0 and curves["tokens"].notna().all()
+def _draw_budget(ax, ours: pd.DataFrame, tokens: int, train_data: dict[str, str]) -> str:
+    """Our series at one budget; returns what they share (for the title)."""
+    at = ours[ours["train_tokens"] == tokens]
+    mla = at[(at["method"] == "partial_rope+svd") & at["kv_mem_change_pct"].notna() & at["avg"].notna()]
+    described = [(_recipe_description(row, train_data), row) for row in mla.to_dict("records")]
+    series: dict[tuple, list[dict]] = {}
+    for description, row in described:
+        series.setdefault(tuple(description.items()), []).append(row)
+    # best evidenced first: most documents scored, then most d_kv points
+    order = sorted(series, key=lambda k: (-_docs_total(series[k][0]), -len(series[k]), k))
+    shown, hidden = order[:MAX_SERIES], order[MAX_SERIES:]
+    labels, shared = what_differs([dict(k) for k in shown])
+    base_method = "finetuned_full_attention" if tokens else "original"
+    method = method_of_row(series[shown[0]][0]) if shown else "2-norm"
+    colors = shades(method, len(shown))
+    for i, (key, label, color) in enumerate(zip(shown, labels, colors)):
+        points = _memory_points(pd.DataFrame(series[key]), "ours")
+        ax.errorbar(
+            points["x"] + 0.9 * i,  # a small sideways step, so that whiskers at one memory size stay apart
+            points["y"],
+            yerr=_errors(points),
+            marker="s",
+            capsize=2,
+            color=color,
+            label=f"ours: {label}" if label else "ours",
+        )
+    docs = {dict(k)["docs"] for k in shown}
+    baselines = at[(at["method"] == base_method) & at["avg"].notna()]
+    baselines = baselines[baselines.apply(eval_docs_label, axis=1).isin(docs)]
+    for i, (_, base) in enumerate(baselines.iterrows()):
+        point = _memory_points(base.to_frame().T, "ours")
+        name = "original" if base_method == "original" else "FT full attention"
+        ax.errorbar(
+            point["x"] + 0.9 * i,
+            point["y"],
+            yerr=_errors(point),
+            marker="D",
+            capsize=2,
+            ls="none",
+            color=method_color(name),
+            label=f"ours: {name}" + (f", {eval_docs_label(base)}" if len(docs) > 1 else ""),
+        )
+    notes = list(shared) + ([f"+{len(hidden)} more series in table1.csv"] if hidden else [])
+    return "; ".join(notes)
+
+
+def _pick(rows: list[dict], train_data: dict[str, str]) -> dict:
+    """The best-evidenced of several rows of one strategy: most documents, then the paper's options and recipe."""
+
+    def rank(row):
+        described = _recipe_description(row, train_data)
+        return (-_docs_total(row), described["options"] != "default options", described["recipe"], row["setting"])
+
+    return sorted(rows, key=rank)[0]
+
+
+def strategy_comparison(table3: pd.DataFrame, runs: pd.DataFrame | None = None, models=None) -> Figure:
+    """Table 3 as bars, per model of ours: commonsense Avg per partial-RoPE strategy, the paper's (grey) beside ours
+    (the method's colour, 95 % whiskers) at the budget where most strategies have a commonsense run of ours, a
+    strategy without one marked "not run"; beside it the same strategies by held-out perplexity (ours only, the
+    paper has none), at the budget where most were measured. Hatched: with SVD."""
+    rows = table3 if models is None else table3[table3["model"].isin(models)]
+    strategies = rows[rows["method"].isin(["partial_rope", "partial_rope+svd"])]
+    model_names = [m for m in dict.fromkeys(rows["model"].dropna()) if len(_ours(rows[rows["model"] == m]))]
+    if not model_names:
+        raise NoData("no Table 3 row of ours")
+    figure = Figure(figsize=(13, 5.2 * len(model_names)), layout="constrained")
+    axes = figure.subplots(len(model_names), 2, squeeze=False)
+    train_data = _train_data(runs)
+    for (left, right), model in zip(axes, model_names):
+        in_model = strategies[strategies["model"] == model].assign(strategy=lambda f: f.apply(strategy_name, axis=1))
+        _strategy_avg(left, rows[rows["model"] == model], in_model, train_data)
+        left.set_title(f"{model}: commonsense Avg (Table 3)", fontsize=10)
+        _strategy_perplexity(right, runs, model, list(dict.fromkeys(in_model["strategy"])))
+        right.set_title(f"{model}: held-out perplexity, same strategies (ours)", fontsize=10)
+    figure.suptitle("Which partial-RoPE strategy keeps most: r = d_h/16; SVD rows at d_kv = d_h/4")
+    return figure
+
+
+def _bar_style(strategy: str, source: str) -> dict:
+    method = strategy.split("+", 1)[0]
+    hatch = "//" if "+SVD" in strategy else None
+    if source == "paper":
+        return {"color": PAPER_FILL, "edgecolor": PAPER, "hatch": hatch, "linewidth": 0.6}
+    return {"color": method_color(method), "edgecolor": "black", "hatch": hatch, "linewidth": 0.6}
+
+
+def _not_drawn(ax, x: float, y: float, text: str) -> None:
+    ax.text(x, y, text, rotation=90, ha="center", va="bottom", fontsize=7, color="0.35")
+
+
+def _strategy_avg(ax, in_model_all: pd.DataFrame, in_model: pd.DataFrame, train_data: dict[str, str]) -> None:
+    ours = _ours(in_model)
+    ours = ours[ours["avg"].notna()]
+    by_budget = ours.groupby("train_tokens")["strategy"].nunique()
+    budget = max(by_budget.index, key=lambda t: (by_budget[t], t)) if len(by_budget) else None
+    categories = list(dict.fromkeys(in_model["strategy"]))
+    x = np.arange(len(categories))
+    paper = in_model.groupby("strategy", sort=False)["avg_paper"].first().reindex(categories).astype(float)
+    chosen = {
+        s: _pick(g.to_dict("records"), train_data)
+        for s, g in ours[ours["train_tokens"] == budget].groupby("strategy", sort=False)
+    }
+    floor = np.nanmin(pd.concat([paper, ours["avg_low"], in_model_all["avg_paper"], in_model_all["avg"]]).astype(float))
+    bottom = np.floor(floor - 3)
+    for i, strategy in enumerate(categories):
+        if pd.isna(paper[strategy]):
+            _not_drawn(ax, x[i] - 0.2, bottom + 0.3, "not in paper")
+        else:
+            label = None if paper.iloc[:i].notna().any() else "paper (2.25B tokens)"  # one legend entry
+            style = _bar_style(strategy, "paper")
+            ax.bar(x[i] - 0.2, paper[strategy] - bottom, 0.4, bottom=bottom, label=label, **style)
+        row = chosen.get(strategy)
+        if row is None:
+            _not_drawn(ax, x[i] + 0.2, bottom + 0.3, "not run")
+            continue
+        ax.bar(x[i] + 0.2, row["avg"] - bottom, 0.4, bottom=bottom, **_bar_style(strategy, "ours"))
+        ax.errorbar(
+            x[i] + 0.2,
+            row["avg"],
+            yerr=[[row["avg"] - row["avg_low"]], [row["avg_high"] - row["avg"]]],
+            color="black",
+            capsize=3,
+        )
+    docs = sorted({eval_docs_label(r) for r in chosen.values()})
+    key = []
+    if chosen:
+        scored = "; ".join([_budget_title(budget), *filter(None, docs)])
+        key = [Patch(facecolor="white", edgecolor="black", label=f"ours ({scored})")]
+    paper_base = in_model_all.loc[in_model_all["method"] == "finetuned_full_attention", "avg_paper"].dropna()
+    if len(paper_base):
+        ax.axhline(paper_base.iloc[0], color=PAPER, ls="--", lw=1, label="paper: FT full attention")
+    # the original on the documents most of our bars were scored on
+    most_docs = max(docs, key=[eval_docs_label(r) for r in chosen.values()].count) if docs else None
+    originals = _ours(in_model_all)
+    originals = originals[(originals["method"] == "original") & (originals.apply(eval_docs_label, axis=1) == most_docs)]
+    if len(originals):
+        ax.axhline(
+            originals["avg"].iloc[0],
+            color=method_color("original"),
+            lw=1,
+            label="ours: original" + (f" ({most_docs})" if most_docs else ""),
+        )
+    ax.set_ylim(bottom=bottom)
+    ax.set_xticks(x, categories, rotation=30, ha="right")
+    ax.set_ylabel(AVG_LABEL)
+    ax.grid(alpha=0.3, axis="y")
+    _legend_below(ax, below=0.3, extra=key, ncols=2)
+
+
+def _strategy_perplexity(ax, runs: pd.DataFrame | None, model: str, categories: list[str]) -> None:
+    rows = strategy_perplexities(runs, model) if runs is not None else pd.DataFrame()
+    if not len(rows):
+        _empty_note(ax, "no held-out perplexity of these strategies")
+        return
+    budget = rows.groupby("train_tokens")["strategy"].nunique()
+    budget = max(budget.index, key=lambda t: (budget[t], t))
+    at = rows[rows["train_tokens"] == budget]
+    base = at[at["strategy"] == "FT full attention"]
+    at = at[at["strategy"] != "FT full attention"]
+    categories = categories + [s for s in at["strategy"] if s not in categories]
+    x = np.arange(len(categories))
+    top = at.set_index("strategy").reindex(categories)
+    for i, strategy in enumerate(categories):
+        if pd.isna(top.loc[strategy, "ppl"]):
+            ax.text(
+                x[i],
+                0.02,
+                "not run",
+                rotation=90,
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="0.35",
+                transform=ax.get_xaxis_transform(),
+            )
+            continue
+        row = top.loc[strategy]
+        ax.bar(x[i], row["ppl"], 0.6, **_bar_style(strategy, "ours"))
+        ax.errorbar(
+            x[i], row["ppl"], yerr=[[row["ppl"] - row["low"]], [row["high"] - row["ppl"]]], color="black", capsize=3
+        )
+    for _, b in base.iterrows():
+        ax.axhline(b["ppl"], color=method_color("FT full attention"), lw=1, label="ours: FT full attention")
+    seeds = "-".join(str(n) for n in sorted({int(at["seeds"].min()), int(at["seeds"].max())}))
+    label = f"ours ({_budget_title(budget)}, {seeds} seeds; 95 %: bootstrap over held-out documents)"
+    key = [Patch(facecolor="white", edgecolor="black", label=label)]
+    ax.set_xticks(x, categories, rotation=30, ha="right")
+    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.grid(alpha=0.3, axis="y")
+    _legend_below(ax, below=0.3, extra=key)
+
+
+def loss_curves(curves: pd.DataFrame, runs: pd.DataFrame) -> Figure:
+    """How fine-tuning converged, one panel per study (an experiment, split by its question where it has more
+    than `MAX_CURVES` configurations): training loss smoothed over a few steps, the raw curve faint behind; runs
+    of one configuration (seeds) averaged per step; runs that did not finish ok dashed with their status."""
+    if not len(curves):
+        raise NoData("no run logged a training curve")
+    info = runs.set_index("run_dir")
+    panels = loss_panels(curves, info)
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    figure = Figure(figsize=(6.4 * ncols, 5.6 * nrows), layout="constrained")
+    axes = figure.subplots(nrows, ncols, squeeze=False)
+    for ax, (title, panel) in zip(axes.flat, panels):
+        _draw_loss_panel(ax, title, panel, info)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    figure.suptitle("Fine-tuning loss by study (smoothed; raw curve faint behind)")
+    return figure
+
+
+MAX_CURVES = 8
+SPLIT_KEYS = (
+    "method",
+    "svd",
+    "rope",
+    "d_kv",
+    "kv_elements",
+    "r",
+    "train_tokens",
+    "trainable",
+    "train_data",
+    "precision",
+)
+SEPARATE = ("objective",)  # losses of two objectives are not on one scale: never in one panel
+
+
+def _curve_key(run) -> str:
+    """One configuration: runs of one setting (seeds) are one curve; a run that did not finish is its own."""
+    return str(run["setting"]) if run["status"] == "ok" else str(run.name)
+
+
+def loss_panels(curves: pd.DataFrame, info: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(title, curves) per panel: one per experiment, split by objective, and then by the configuration key that
+    leaves at most `MAX_CURVES` configurations a panel in the fewest panels."""
+    frame = curves.assign(
+        experiment=curves["run_dir"].map(info["experiment"]),
+        key=curves["run_dir"].map(lambda d: _curve_key(info.loc[d])),
+    )
+    panels = []
+    for experiment, group in frame.groupby("experiment", sort=True):
+        configurations = group.drop_duplicates("key").set_index("key")["run_dir"]
+        for title, keys in _split(configurations, info, str(experiment)):
+            panels.append((title, group[group["key"].isin(keys)]))
+    return panels
+
+
+def _split(configurations: pd.Series, info: pd.DataFrame, title: str) -> list[tuple[str, set]]:
+    def values(column):
+        return configurations.map(lambda d: _text_value(info.loc[d].get(column)))
+
+    splits = {c: values(c) for c in SEPARATE + SPLIT_KEYS}
+    column = next((c for c in SEPARATE if splits[c].nunique() > 1), None)
+    if column is None and len(configurations) > MAX_CURVES:
+        useful = [c for c in SPLIT_KEYS if splits[c].nunique() > 1]
+        fitting = [c for c in useful if splits[c].value_counts().max() <= MAX_CURVES]
+        if fitting:
+            column = min(fitting, key=lambda c: splits[c].nunique())
+        elif useful:
+            column = min(useful, key=lambda c: splits[c].value_counts().max())
+    if column is None:
+        if len(configurations) <= MAX_CURVES:
+            return [(title, set(configurations.index))]
+        ordered = sorted(configurations.index)
+        parts = [ordered[i : i + MAX_CURVES] for i in range(0, len(ordered), MAX_CURVES)]
+        return [(f"{title} ({n}/{len(parts)})", set(p)) for n, p in enumerate(parts, start=1)]
+    out = []
+    for value in sorted(splits[column].unique()):
+        chosen = configurations[splits[column] == value]
+        out += _split(chosen, info, f"{title}, {_split_title(column, value)}")
+    return out
+
+
+def _text_value(value) -> str:
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return "none"
+    whole = isinstance(value, (int, np.integer, float)) and float(value).is_integer()
+    return f"{int(value):,}" if whole else str(value)
+
+
+def _split_title(column: str, value: str) -> str:
+    names = {"svd": "SVD", "train_tokens": "tokens", "train_data": "recovery text", "kv_elements": "KV elements"}
+    return f"{names.get(column, column)} {value}"
+
+
+def _describe_curve(run) -> dict[str, str]:
+    row = dict(run)
+    base = row_label(
+        {
+            **row,
+            "options": None,
+            "objective": None,
+            "train_data": None,
+            "trainable": None,
+            "lr": None,
+            "precision": None,
+        }
+    )
+    options = row.get("options")
+    tokens = row.get("train_tokens")
+    return {
+        "conversion": base,
+        "options": options if isinstance(options, str) else "default options",
+        "recipe": recipe_label(row) or "the paper's recipe",
+        "tokens": "" if pd.isna(tokens) else f"{int(tokens):,} tokens",
+    }
+
+
+def _smooth(values: pd.Series) -> pd.Series:
+    window = max(1, len(values) // 20)
+    return values.rolling(window, min_periods=1, center=True).mean()
+
+
+def _draw_loss_panel(ax, title: str, panel: pd.DataFrame, info: pd.DataFrame) -> None:
+    by_tokens = panel["tokens"].notna().all()
     x_column = "tokens" if by_tokens else "step"
-    ok = curves[curves["status"] == "ok"]
-    for label, group in ok.groupby("label", sort=True):
+    curves = []
+    for key, group in panel.groupby("key", sort=False):
+        first = info.loc[group["run_dir"].iloc[0]]
         mean = group.groupby(x_column)["loss"].mean()
-        n = group["run_dir"].nunique()
-        ax.plot(mean.index, mean.to_numpy(), label=label if n == 1 else f"{label} (mean of {n})")
-    for (run_dir, label, status), group in curves[curves["status"] != "ok"].groupby(
-        ["run_dir", "label", "status"], sort=True
-    ):
-        ax.plot(group[x_column], group["loss"], ls="--", label=f"{label} [{status}]")
+        curves.append((first, mean, group["run_dir"].nunique()))
+    descriptions = [_describe_curve(run) for run, _, _ in curves]
+    labels, shared = what_differs(descriptions)
+    order = sorted(range(len(curves)), key=lambda i: (method_of_row(curves[i][0]), labels[i]))
+    by_method: dict[str, int] = {}
+    for i in order:
+        method = method_of_row(curves[i][0])
+        by_method[method] = by_method.get(method, 0) + 1
+    colors = {m: iter(shades(m, n)) for m, n in by_method.items()}
+    low, high = [], []
+    for i in order:
+        run, mean, n = curves[i]
+        color = next(colors[method_of_row(run)])
+        label = labels[i] or descriptions[i]["conversion"]
+        if n > 1:
+            label += f" (mean of {n})"
+        dashed = run["status"] != "ok"
+        if dashed:
+            label += f" [{run['status']}]"
+        smooth = _smooth(mean)
+        ax.plot(mean.index, mean.to_numpy(), color=color, alpha=0.2, lw=0.6)
+        style = {"ls": "--" if dashed else "-", "lw": 1.4, "label": textwrap.fill(label, 70)}
+        ax.plot(smooth.index, smooth.to_numpy(), color=color, **style)
+        low.append(float(smooth.min()))
+        high.append(float(smooth.iloc[min(len(smooth) - 1, max(1, len(smooth) // 10))]))
+    if low:  # the first steps (loss ~10) would flatten what differs between the curves
+        ax.set_ylim(min(low) - 0.1, max(max(high), min(low) + 0.5) + 0.1)
     ax.set_xlabel("fine-tuning tokens" if by_tokens else "step")
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 100k, not 100000 running into its neighbour
     ax.set_ylabel("training loss")
-    ax.set_title("Fine-tuning loss per variant")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    else:
-        _empty_note(ax, "no training curves")
+    ax.set_title(textwrap.fill(" · ".join([title, *shared]), 70), fontsize=8)
     ax.grid(alpha=0.3)
-    return figure
+    _legend_below(ax)
 
 
 def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
@@ -279,10 +551,13 @@ def long_context_points(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def long_context_vs_length(runs: pd.DataFrame) -> Figure:
-    """Long-context score against context length, one line per variant (and task, when several)."""
-    figure = Figure(figsize=(7, 4.5))
-    ax = figure.add_subplot()
+    """How retrieval holds up as the context grows: long-context score against context length, one line per
+    variant (and task, when several)."""
     points = long_context_points(runs)
+    if not len(points):
+        raise NoData("no run has a long-context score (e.g. +experiment=kv_precision_cpu has not been run)")
+    figure = Figure(figsize=(7, 5), layout="constrained")
+    ax = figure.add_subplot()
     several_tasks = points["task"].nunique() > 1
     for (label, task), group in points.groupby(["label", "task"], sort=True):
         mean = group.groupby("length")["score"].mean()
@@ -290,18 +565,14 @@ def long_context_vs_length(runs: pd.DataFrame) -> Figure:
         name = f"{label} · {task}" if several_tasks else label
         ax.plot(mean.index, mean.to_numpy(), marker="o", label=name if n == 1 else f"{name} (mean of {n})")
     ax.set_xscale("log", base=2)
-    if len(points):  # the evaluated lengths as plain numbers, not powers of two
-        lengths = sorted(points["length"].unique())
-        ax.set_xticks(lengths, [str(n) for n in lengths])
-        ax.minorticks_off()
+    lengths = sorted(points["length"].unique())  # the evaluated lengths as plain numbers, not powers of two
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("long-context score (%)")
     ax.set_title("Long-context score vs context length")
-    if ax.lines:
-        ax.legend(fontsize="x-small")
-    else:
-        _empty_note(ax, "no long-context results")
     ax.grid(alpha=0.3)
+    _legend_below(ax)
     return figure
 
 
@@ -395,6 +666,7 @@ def recovery_curves(runs: pd.DataFrame, probes: pd.DataFrame, experiment: str = 
 
 VERDICT_COLORS = {"B lower": "C2", "B higher": "C3", "not resolved": "grey"}
 RATIO_TICKS = (0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4)
+WIDE_RATIO_TICKS = (0.25, 0.33, 0.5, 0.67, 1, 1.5, 2, 3, 4)
 
 
 def _finish_forest(figure: Figure, ax, colors: dict[str, str], title: str) -> Figure:
@@ -408,34 +680,69 @@ def _finish_forest(figure: Figure, ax, colors: dict[str, str], title: str) -> Fi
     return figure
 
 
+MAX_FOREST_ROWS = 30  # per panel
+
+
+def _common_suffix(labels: list[str]) -> str:
+    """The longest tail, from a space on, that every label shares (" [lr 3e-4] @ 163,840 tokens")."""
+    if not labels:
+        return ""
+    tail = labels[0]
+    for label in labels[1:]:
+        while not label.endswith(tail):
+            tail = tail[1:]
+    cut = tail.find(" ")
+    return tail[cut:] if cut >= 0 and len(tail) < min(map(len, labels)) else ""
+
+
 def perplexity_ratios(pairs: pd.DataFrame, title: str) -> Figure:
-    """`perplexity_pairs`' table as a forest plot: per pair, B/A on a log axis with its paired bootstrap 95 %
-    interval (coloured by verdict) and each seed's own ratio as a cross; pairs grouped by the factor they vary."""
-    pairs = pairs.sort_values(["factor", "B/A"], kind="stable").reset_index(drop=True) if len(pairs) else pairs
-    labels = [f"{p['factor']}: {p['B']}  vs  {p['A']}" for _, p in pairs.iterrows()] if len(pairs) else []
-    # the labels are long: widen the figure with them so that the axis keeps ~6 inches
-    figure = Figure(figsize=(7 + 0.055 * max(map(len, labels), default=0), 1.5 + 0.28 * max(len(pairs), 4)))
-    ax = figure.subplots()
+    """`perplexity_pairs`' table as forest plots, one panel per question the pairs answer (`question`), at most
+    `MAX_FOREST_ROWS` rows a panel, sorted by ratio: per pair, B/A on a log axis with its paired bootstrap 95 %
+    interval (coloured by verdict) and each seed's own ratio as a cross; what every label of a panel shares is
+    in its title."""
     if not len(pairs):
-        _empty_note(ax, "no pairs of rows that differ in one factor")
-        return figure
-    y = np.arange(len(pairs))[::-1]
-    for yi, (_, pair) in zip(y, pairs.iterrows()):
-        color = VERDICT_COLORS.get(pair["verdict"], "black")
-        if not pd.isna(pair["B/A low"]):
-            ax.plot([pair["B/A low"], pair["B/A high"]], [yi, yi], "-", color=color, lw=2)
-        ax.plot(pair["B/A"], yi, "o", color=color)
-        seeds = list(pair["B/A per seed"])
-        ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    low, high = ax.get_xlim()  # ratios, not powers of ten
-    ax.set_xticks([t for t in RATIO_TICKS if low <= t <= high], minor=False)
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_yticks(y, labels, fontsize="x-small")
-    ax.set_xlabel("perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out rows; x: each seed")
-    return _finish_forest(figure, ax, VERDICT_COLORS, title)
+        raise NoData("no pairs of rows that differ in one factor")
+    questions = pairs["question"] if "question" in pairs else pairs["factor"]
+    panels = []
+    for question, group in pairs.groupby(questions, sort=True):
+        group = group.sort_values("B/A", kind="stable").reset_index(drop=True)
+        parts = -(-len(group) // MAX_FOREST_ROWS)
+        for n in range(parts):
+            name = question if parts == 1 else f"{question} ({n + 1}/{parts})"
+            panels.append((name, group.iloc[n * MAX_FOREST_ROWS : (n + 1) * MAX_FOREST_ROWS]))
+    heights = [len(p) + 2 for _, p in panels]
+    figure = Figure(figsize=(11, 1.2 + 0.24 * sum(heights)), layout="constrained")
+    axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for ax, (question, panel) in zip(axes, panels):
+        tail = _common_suffix(list(panel["A"]) + list(panel["B"]))
+        labels = [f"{b.removesuffix(tail)}  vs  {a.removesuffix(tail)}" for a, b in zip(panel["A"], panel["B"])]
+        y = np.arange(len(panel))[::-1]
+        for yi, (_, pair) in zip(y, panel.iterrows()):
+            color = VERDICT_COLORS.get(pair["verdict"], "black")
+            if not pd.isna(pair["B/A low"]):
+                ax.plot([pair["B/A low"], pair["B/A high"]], [yi, yi], "-", color=color, lw=2)
+            ax.plot(pair["B/A"], yi, "o", color=color)
+            seeds = list(pair["B/A per seed"])
+            ax.plot(seeds, [yi] * len(seeds), "x", color="black", ms=4)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        low, high = ax.get_xlim()  # ratios, not powers of ten; fewer of them on a wide axis
+        ticks = RATIO_TICKS if high / low < 2.5 else WIDE_RATIO_TICKS
+        ax.set_xticks([t for t in ticks if low <= t <= high], minor=False)
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yticks(y, labels, fontsize="small")
+        ax.set_ylim(-0.8, len(panel) - 0.2)
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_title(f"{question}" + (f"  (every row{tail})" if tail else ""), fontsize="small", loc="left")
+    axes[-1].set_xlabel(
+        "perplexity B / A (left of 1: B better); bar: paired bootstrap 95 % over held-out documents; x: each seed"
+    )
+    for verdict, color in VERDICT_COLORS.items():
+        axes[0].plot([], [], "o-", color=color, label=verdict)
+    axes[0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    figure.suptitle(title, fontsize="small")
+    return figure
 
 
 SCORE_VERDICT_COLORS = {"B lower": "C3", "B higher": "C2", "not resolved": "grey"}  # a score: higher is better

@@ -62,6 +62,15 @@ def row_label(row) -> str:
     return text
 
 
+def strategy_name(row) -> str:
+    """A row's partial-RoPE strategy as Table 3 names it: "high", "NoPE", "2-norm+SVD joint", "FT full attention"."""
+    if row.get("method") == "finetuned_full_attention":
+        return "FT full attention"
+    if row.get("method") == "partial_rope":
+        return "NoPE" if row.get("rope") == "none" else str(row.get("rope"))
+    return f"{row.get('rope')}+SVD {row.get('svd')}"
+
+
 def _int(value) -> str:
     return "?" if _missing(value) else str(int(value))
 
@@ -176,16 +185,7 @@ def to_markdown(table: pd.DataFrame) -> str:
     text = display_frame(table)
     if not len(text.columns):
         return "(no rows)"
-    try:
-        return text.to_markdown(index=False, disable_numparse=True)
-    except ImportError:  # pandas needs the optional `tabulate` for this; a plain pipe table says the same
-        return _pipe_table(text)
-
-
-def _pipe_table(text: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(map(str, text.columns)) + " |", "|" + "|".join("---" for _ in text.columns) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in text.itertuples(index=False)]
-    return "\n".join(lines)
+    return text.to_markdown(index=False, disable_numparse=True)
 
 
 def to_latex(table: pd.DataFrame) -> str:
@@ -193,26 +193,7 @@ def to_latex(table: pd.DataFrame) -> str:
     if not len(text.columns):
         return "% no rows\n"
     text = text.apply(lambda column: column.str.replace("−", "-", regex=False))
-    try:
-        return text.to_latex(index=False, escape=True)
-    except ImportError:  # pandas needs the optional `jinja2` for this
-        return _tabular(text)
-
-
-def _tabular(text: pd.DataFrame) -> str:
-    def escape(value: str) -> str:
-        for char in "\\&%$#_{}":
-            value = value.replace(char, "\\" + char)
-        return value
-
-    lines = [
-        r"\begin{tabular}{" + "l" * len(text.columns) + "}",
-        r"\toprule",
-        " & ".join(escape(str(c)) for c in text.columns) + r" \\",
-        r"\midrule",
-    ]
-    lines += [" & ".join(escape(v) for v in row) + r" \\" for row in text.itertuples(index=False)]
-    return "\n".join(lines + [r"\bottomrule", r"\end{tabular}", ""])
+    return text.to_latex(index=False, escape=True)
 
 
 def views_text(views: dict[str, pd.DataFrame], title: str = "", note: str = "") -> tuple[str, str]:
@@ -243,7 +224,8 @@ def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", 
 
 
 def perplexity_pairs_view(pairs: pd.DataFrame) -> pd.DataFrame:
-    """`perplexity_pairs` as written: ratios to 4 digits, each seed's ratio to 3."""
+    """`perplexity_pairs` as written: ratios to 4 digits, each seed's ratio to 3 (the plots' question left out)."""
+    pairs = pairs.drop(columns=["question"], errors="ignore")
     per_seed = pairs["B/A per seed"].map(lambda ratios: ", ".join(f"{x:.3f}" for x in ratios))
     return pairs.round(4).assign(**{"B/A per seed": per_seed})
 

@@ -13,7 +13,7 @@ read: a table cannot silently depend on another experiment's records.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -34,13 +34,42 @@ class TableFiles:
 
 @dataclass(frozen=True)
 class PlotFiles:
-    """plots/<name>.png and .pdf."""
+    """plots/<name>.png and .pdf; `question`: what the figure answers (its caption in the gallery)."""
 
     name: str
     figure: Figure
+    question: str
 
 
-Artifact = TableFiles | PlotFiles
+@dataclass(frozen=True)
+class SkippedPlot:
+    """A declared figure with nothing to draw: not written (a stale copy is removed), `reason` says why."""
+
+    name: str
+    reason: str
+
+
+Artifact = TableFiles | PlotFiles | SkippedPlot
+
+
+class NoData(Exception):
+    """Raised by a figure's drawing function when it has nothing to draw; the message says why."""
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """A figure declared beside its table: the stem of its files, the question it answers, and how it is drawn
+    (`draw`, from the entry's inputs, returns the Figure or raises `NoData`)."""
+
+    name: str
+    question: str
+    draw: Callable[..., Figure]
+
+    def render(self, *args) -> PlotFiles | SkippedPlot:
+        try:
+            return PlotFiles(self.name, self.draw(*args), self.question)
+        except NoData as why:
+            return SkippedPlot(self.name, str(why))
 
 
 @dataclass(frozen=True)
