@@ -59,6 +59,16 @@ def meminfo(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+def tree_rss(pid: int) -> int:
+    """Bytes resident in `pid` and all its descendants now (0 for a process that just ended)."""
+    try:
+        rss = int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1]) * 1024
+        children = " ".join(Path(t, "children").read_text() for t in Path(f"/proc/{pid}/task").iterdir())
+    except (OSError, StopIteration):
+        return 0
+    return rss + sum(tree_rss(int(c)) for c in children.split())
+
+
 def kv_elements(config: dict) -> int:
     """Cached elements per token and layer: the latent + rope key (MLA) or 2 * n_kv * d_h."""
     if config.get("kv_lora_rank"):
@@ -230,24 +240,27 @@ LOG_BACKEND = re.compile(r"(Using [^\n]*backend[^\n]*|[^\n]*attention backend[^\
 
 
 def run_child(model: Path, name: str, args, *flags: str) -> dict:
-    """A child process (this script, --child) and its record; the log is kept as OUT/NAME.log. The peak memory is
-    the largest resident set of the child's process tree (the engine core), from wait4."""
+    """A child process (this script, --child) and its record; the log is kept as OUT/NAME.log. The peak memory:
+    the largest sum of the resident sets of the child's process tree (it, the engine core, its worker), sampled
+    every 0.5 s (pages the processes share are counted in each)."""
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     result = Path(args.out) / f".{name}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", str(model), "--child-out", str(result), *flags]
     log_path = Path(args.out) / f"{name}.log"
     t = time.time()
+    peak = 0
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.5)
     log = log_path.read_text()
     ok = proc.returncode == 0 and result.exists()
     record = json.loads(result.read_text()) if ok else {"model": str(model)}
     result.unlink(missing_ok=True)
     record |= {"returncode": proc.returncode, "wall_s": round(time.time() - t, 1), "log": log_path.name}
-    record["peak_rss_gib"] = round(usage.ru_maxrss * 1024 / 2**30, 2)
+    record["peak_rss_gib"] = round(peak / 2**30, 2)
     if not ok:
         record["error_tail"] = log[-3000:]
     found = LOG_CAPACITY.search(log)
