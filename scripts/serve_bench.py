@@ -219,7 +219,14 @@ def prefill_one(args) -> dict:
     from vllm import LLM, SamplingParams
 
     ctx = args.child_context
-    llm = LLM(model=args.child, dtype="bfloat16", max_model_len=ctx + 1, enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=args.child,
+        dtype="bfloat16",
+        max_model_len=ctx + 1,
+        enable_prefix_caching=False,
+        seed=0,
+        disable_log_stats=False,  # the request's timestamps
+    )
     ids = torch.randint(1, 257, (ctx,), generator=torch.Generator().manual_seed(2)).tolist()
     t = time.perf_counter()
     (result,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
