@@ -70,7 +70,7 @@ def servable_conversion(config) -> str:
         return f"no conversion of this model reaches {SERVED_LATENT} + {SERVED_ROPE}: {'; '.join(why)}"
     r, d_kv = pairs // n_kv, SERVED_LATENT // n_kv
     cell = " (the cell conf/cells/conversion/serve576.yaml)" if (r, d_kv) == (1, 16) else ""
-    return f"convert with rope.strategy=rorope-geometric rope.r={r} svd.method=joint svd.d_kv={d_kv}{cell}"
+    return f"convert with rope=rorope-geometric rope.r={r} svd=joint svd.d_kv={d_kv}{cell}"
 
 
 def check_target(plan: ExportPlan, config, target: str) -> list[str]:
