@@ -295,13 +295,17 @@ def prefill_limit(model: Path, name: str, lengths: list[int], args) -> list[dict
     rows = []
     for ctx in lengths:
         available = meminfo("MemAvailable")
-        scores = config["num_attention_heads"] * ctx * ctx * 4 if config.get("kv_lora_rank") else 0
-        if scores > 0.8 * available:
+        need = config["num_attention_heads"] * ctx * ctx * 4 if config.get("kv_lora_rank") else 0
+        why = "its MLA prefill's score matrix (heads x L^2 fp32)"
+        if need and rows and rows[-1].get("ok"):  # the last length's measured peak, grown as L^2
+            need = max(need, rows[-1]["peak_rss_gib"] * 2**30 * (ctx / rows[-1]["context"]) ** 2)
+            why = "the last length's peak memory x (L / its L)^2"
+        if need > 0.8 * available:
             rows.append(
                 {
                     "context": ctx,
-                    "skipped": f"its MLA prefill's score matrix ({scores / 2**30:.1f} GiB: heads x L^2 fp32) exceeds "
-                    f"0.8 x the memory available now ({available / 2**30:.1f} GiB)",
+                    "skipped": f"{why}, {need / 2**30:.1f} GiB, exceeds 0.8 x the memory available now "
+                    f"({available / 2**30:.1f} GiB)",
                 }
             )
             break
