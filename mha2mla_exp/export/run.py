@@ -1,25 +1,24 @@
-"""The export end to end: plan (refuse early), load, norm scale, map, save, verify, record (`export.json`)."""
+"""The export end to end: check OUT and the target, plan (refuse early), load, norm scale, map, save into a
+temporary sibling, verify, record (`export.json`), rename into place."""
 
 from __future__ import annotations
 
 import copy
-import json
 import platform
-import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from .. import (
-    atomic,
-    mla,  # noqa: F401  (registers the mha2mla model type with the Auto classes)
-)
+from .. import mla  # noqa: F401  (registers the mha2mla model type with the Auto classes)
+from ..atomic import write_json
 from ..mla.spec import MLASpec, ModelShape, kv_elements_per_token
 from . import norm
+from .place import RECORD, check_out, staged
 from .plan import ExportError, plan_export
+from .targets import check_target, fitting_targets, gpu_backends
 from .weights import deepseek_config, deepseek_state
 
-RECORD = "export.json"
 # the fixed text the norm is calibrated on and the logits are compared on (with a seeded random-token sequence)
 FIXED_TEXT = (
     "The method exists to make inference cheaper. A converted model caches a low-rank latent and a small rope key "
@@ -76,22 +75,37 @@ def _mapping_change(model, ds_config, plan, weights, sample: list[torch.Tensor])
     return _max_dlogit(model, target, sample)[0]
 
 
-def export(src: str | Path, out: str | Path, *, approximate: bool = False, margin: float = 1e-6) -> dict:
+def export(
+    src: str | Path,
+    out: str | Path,
+    *,
+    target: str | None = None,
+    approximate: bool = False,
+    margin: float = 1e-6,
+) -> dict:
     """Write `src` (a converted model folder) to `out` as a stock DeepSeek-V3 folder; return the record.
 
-    `approximate`: accept kept frequencies that are not a geometric set (moved to the nearest one; the record
-    says so and measures the logit change). `margin`: the latent norm's mean((s c)^2)/eps on calibration tokens.
+    `out` may only be a new or empty folder or an earlier export (place.py); it is replaced only once the new
+    export is complete. `target` (targets.TARGETS): refuse widths its MLA backends cannot serve, warn where only
+    some can. `approximate`: accept kept frequencies that are not a geometric set (moved to the nearest one; the
+    record says so and measures the logit change). `margin`: the latent norm's mean((s c)^2)/eps on calibration.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     src, out = Path(src), Path(out)
-    config = AutoConfig.from_pretrained(src)
+    check_out(src, out)  # before anything is read
+    if not (src / "config.json").is_file():  # a local folder, never a hub id
+        raise ExportError(f"SRC {src} has no config.json: not a saved model folder")
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
     plan = plan_export(config, approximate=approximate)  # refuses before any weight is read
+    target_warnings = check_target(plan, config, target) if target else []
+    for warning in target_warnings:
+        warnings.warn(warning, stacklevel=2)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True).eval()
     model.config.absorb = False
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None
     sample = _sample_ids(tokenizer, config.vocab_size)
@@ -102,17 +116,28 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
     ds_config = DeepseekV3Config(**deepseek_config(config, plan))
     ds_config.dtype = dtype
     with torch.device("meta"):
-        target = DeepseekV3ForCausalLM(ds_config)
+        deepseek = DeepseekV3ForCausalLM(ds_config)
     state = deepseek_state(model, plan, weights, dtype)
-    missing, unexpected = target.load_state_dict(state, strict=False, assign=True)
+    missing, unexpected = deepseek.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"the DeepSeek-V3 model's weights did not match: missing={missing} unexpected={unexpected}")
-    if out.exists():
-        shutil.rmtree(out)
-    target.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    with staged(out) as folder:
+        deepseek.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        record = _record(src, config, plan, dtype, eps, margin, peaks, weights)
+        record["targets"] |= {"asked": target, "warnings": target_warnings}
+        record["verification"] = _logit_change(model, folder, sample)
+        if dtype != torch.float32:
+            record["verification"]["mapping_max_abs_dlogit_fp32"] = _mapping_change(
+                model, ds_config, plan, weights, sample
+            )
+        write_json(folder / RECORD, record)
+    return record
 
+
+def _record(src: Path, config, plan, dtype, eps: float, margin: float, peaks: list, weights: list) -> dict:
+    """export.json less the verification: what was exported, how, and where it can be served."""
     shape = ModelShape.from_config(config)
     spec = MLASpec.recorded(config.mla)
     record = {
@@ -125,7 +150,8 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
         "kv_elements_per_token": kv_elements_per_token(shape, spec) if spec.kv_elements or spec.d_kv else None,
         "cache_elements_per_token": plan.latent + plan.rope_dim,
         "original_kv_elements_per_token": 2 * shape.num_kv_heads * shape.head_dim,
-        "vllm_cpu_mla_shape": plan.latent == 512 and plan.rope_dim == 64,
+        "targets": {"fits": fitting_targets(plan), "vllm_gpu_backends": gpu_backends(plan)},
+        "rope": "YaRN at factor 1: the default rope's frequencies and scale on vLLM's exact path (weights.py)",
         "mapping": {
             "q_proj": "per head [q_h; q_h[rope pairs] * q_rope_scale (interleaved)] * sqrt((d_h + d_r) / d_h)",
             "kv_a_proj_with_mqa": "[kv_down_proj * s; k_rope_proj (interleaved)]",
@@ -139,10 +165,6 @@ def export(src: str | Path, out: str | Path, *, approximate: bool = False, margi
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
     }
     record["norm"]["residual"] = norm.residual(peaks, weights)
-    record["verification"] = _logit_change(model, out, sample)
-    if dtype != torch.float32:
-        record["verification"]["mapping_max_abs_dlogit_fp32"] = _mapping_change(model, ds_config, plan, weights, sample)
-    atomic.write_text(out / RECORD, json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -29,6 +29,28 @@ def interleave(rows: int) -> torch.Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
 
 
+def exact_rope_parameters(theta: float, max_positions: int) -> dict:
+    """DeepSeek's rope as YaRN at factor 1: the default rope's frequencies and scale, on a path that is exact in
+    every vLLM mode. vLLM serves `rope_type: default` with its C++ rotary op in eager mode on the CPU, which rotates
+    MLA's 3-D non-contiguous q/k slices wrongly (issue 54); a YaRN config takes its DeepSeek YaRN class, plain
+    PyTorch. At factor 1: interpolated = extrapolated frequencies (1/(1*p) = 1/p), every mscale is 1 (YaRN's
+    0.1*m*ln(factor)+1 is 1 for factor <= 1), so neither the rope's cos/sin nor DeepSeek's softmax scale (times
+    mscale^2) change; beta_fast = beta_slow = max_positions puts YaRN's correction range at dim 0 (L/(2 pi beta)
+    < 1 rotation), so its blend weights are exactly 0 or 1 and the blend adds no rounding. `original_max_position_
+    embeddings` = max_positions: vLLM builds its cos/sin table that long (times factor 1), and transformers'
+    implied factor is 1 (no warning). tests/test_export.py checks all of this against transformers in fp64."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": 1.0,
+        "original_max_position_embeddings": max_positions,
+        "beta_fast": max_positions,
+        "beta_slow": max_positions,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+
+
 def deepseek_config(config, plan: ExportPlan) -> dict:
     """The DeepSeek-V3 config.json keys (every key vLLM's deepseek_v2.py and HF's DeepseekV3 read)."""
     n = config.num_hidden_layers
@@ -49,7 +71,7 @@ def deepseek_config(config, plan: ExportPlan) -> dict:
         "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": plan.theta_export},
+        "rope_parameters": exact_rope_parameters(plan.theta_export, config.max_position_embeddings),
         "rope_theta": plan.theta_export,  # older readers (transformers < 5) read it here
         "rope_interleave": True,
         "attention_bias": False,
