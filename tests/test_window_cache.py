@@ -213,3 +213,26 @@ def test_a_quantized_cache_of_a_windowed_model_is_bounded_by_the_window(prompt):
     tokens, cache = generate(mla, prompt, cache_implementation="quantized", cache_config={"backend": "hqq"})
     assert [layer.is_sliding for layer in cache.layers] == [w is not None for w in windows]
     assert tokens.shape[-1] == PROMPT + NEW
+
+
+def _plan(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from mha2mla_exp.confutil import CONF_DIR
+    from mha2mla_exp.runner import validate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        smoke = ["+experiment=smoke", "rope.r=2", "svd.d_kv=8"]
+        return validate(compose(config_name="config", overrides=[*smoke, *overrides]))
+
+
+def test_the_runner_refuses_a_layer_choice_the_model_lacks_before_loading():
+    from mha2mla_exp.runner.config import ConfigError
+
+    with pytest.raises(ConfigError, match="svd.convert_layers: .*this model has no sliding-window layer"):
+        _plan("svd.convert_layers=global")  # a random Llama: no sliding layer
+    gemma = ["model.family=gemma3_text", "model.shape.key_norm=head", "model.shape.num_layers=6"]
+    plan = _plan(*gemma, "svd.convert_layers=global")  # Gemma-3's pattern: 5 sliding layers, 1 global
+    assert plan.spec.convert_layers == "global" and "-global-layers" in plan.spec.name_parts()[0]
+    with pytest.raises(ConfigError, match="svd.convert_layers"):
+        _plan("svd.convert_layers=most")
