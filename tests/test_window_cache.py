@@ -236,3 +236,21 @@ def test_the_runner_refuses_a_layer_choice_the_model_lacks_before_loading():
     assert plan.spec.convert_layers == "global" and "-global-layers" in plan.spec.name_parts()[0]
     with pytest.raises(ConfigError, match="svd.convert_layers"):
         _plan("svd.convert_layers=most")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_layer_wise_distillation_replays_each_layers_own_window(family):
+    """train/distill.py replays each attention block with the mask the teacher gave that layer: the sliding one
+    on a sliding layer, so a full-rank student matches its teacher there, which a plain causal mask would not."""
+    from mha2mla_exp.train.distill import _block_error, capture_attention_io
+
+    model = windowed_lm(family)
+    student = full_rank(model)
+    captured = capture_attention_io(model, [torch.randint(0, 97, (2, 4 * WINDOW), generator=torch.Generator())])
+    windows = attention_windows(model.config)
+    for i, layer in enumerate(student.model.layers):
+        assert _block_error(layer.self_attn, captured, i) < 1e-8, i
+    sliding = windows.index(WINDOW)
+    causal_only = [[dict(io, attention_mask=None) for io in batch] for batch in captured]
+    assert _block_error(student.model.layers[sliding].self_attn, causal_only, sliding) > 1e-4
