@@ -16,11 +16,12 @@ from mha2mla_exp.mla import (
     ROPE_STRATEGIES,
     MLAForCausalLM,
     ModelShape,
+    attention_windows,
+    cache_elements_per_sequence,
     convert_to_mla,
     kv_elements_per_token,
     max_d_kv,
 )
-from mha2mla_exp.mla.cache import LatentCache
 from mha2mla_exp.mla.calibration import Calibration
 from mha2mla_exp.mla.spec import MLASpec
 
@@ -79,14 +80,16 @@ def test_absorbed_decoding_equals_expanded_and_the_cache_holds_the_formulas_byte
     absorbed = mla.set_absorb(True)(rows).logits
     assert max_diff(absorbed, expanded) < 1e-4
 
-    cache = LatentCache()  # prefill 16 tokens, then decode the rest one by one, absorbed
+    cache = mla.new_cache()  # prefill 16 tokens, then decode the rest one by one, absorbed
     out = mla(rows[:, :16], cache=cache, use_cache=True)
     steps = [out.logits[:, -1]]
     for t in range(16, rows.shape[1]):
         steps.append(mla(rows[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
     assert max_diff(torch.stack(steps[:-1], 1), expanded[:, 15:-1]) < 1e-4
-    per_token = kv_elements_per_token(shape, MLASpec.create(shape, **spec))
-    assert cache.nbytes() == rows.numel() * shape.num_layers * per_token * 4
+    held = cache_elements_per_sequence(
+        shape, attention_windows(model.config), rows.shape[1], MLASpec.create(shape, **spec)
+    )
+    assert cache.nbytes() == rows.shape[0] * held["total"] * 4  # the tiny Gemmas' sliding layers: 7 of 24 tokens
     assert torch.equal(greedy(mla, rows, absorb=True), greedy(mla, rows, absorb=False))
 
 

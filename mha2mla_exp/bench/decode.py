@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..mla import LatentCache, MLAForCausalLM, cache_nbytes, kernels
+from ..mla import MLAForCausalLM, cache_nbytes, kernels
 from .timing import measure, synchronize
 
 GiB = 2**30
@@ -35,7 +35,8 @@ class Variant:
         kernels.set_backend(self.backend)
 
     def new_cache(self):
-        return LatentCache() if self.is_mla else DynamicCache()
+        """The cache generate would use: sliding-window layers keep their window, as the original's do."""
+        return self.model.new_cache() if self.is_mla else DynamicCache(config=self.model.config)
 
 
 @torch.no_grad()

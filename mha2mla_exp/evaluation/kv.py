@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..mla import LatentCache, QuantizedLatentCache, cache_nbytes
+from ..mla import QuantizedLatentCache, attention_windows, cache_nbytes
 from ..mla.cache import check_kv_quant
 from ..mla.configuration import MLAConfig
-from ..mla.spec import MLASpec, ModelShape, kv_ratio
+from ..mla.spec import MLASpec, ModelShape, converted_layers, kv_ratio
 from ..schema.sections import KVQuantConfig
 
 
@@ -66,23 +66,29 @@ def is_mla(model) -> bool:
 
 
 def new_cache(model, kv_quant: KVQuant | None):
-    """A fresh cache for one `generate` call of `model` (MLA or original)."""
+    """A fresh cache for one `generate` call of `model` (MLA or original); on a sliding-window layer either one
+    keeps what the layer's window reaches (mla/cache.py)."""
     config = model.config
     if kv_quant is not None:
         kv_quant.check_model(is_mla(model))
-    if kv_quant is not None and kv_quant.grouping == "tokens":  # the one quantizer, for latent and K/V alike
-        return QuantizedLatentCache(
-            config.num_hidden_layers,
+    quantized = kv_quant is not None and kv_quant.grouping == "tokens"  # the one quantizer, for latent and K/V
+    options = (
+        dict(
             backend=kv_quant.backend,
             nbits=kv_quant.nbits,
             q_group_size=kv_quant.q_group_size,
             residual_length=kv_quant.residual_length,
         )
+        if quantized
+        else None
+    )
     if is_mla(model):
-        return LatentCache()
+        return model.new_cache(options)
+    text_config = config.get_text_config(decoder=True)
+    if quantized:
+        return QuantizedLatentCache(attention_windows(text_config), **options)
     from transformers import DynamicCache, QuantizedCache
 
-    text_config = config.get_text_config(decoder=True)
     if kv_quant is None:
         return DynamicCache(config=text_config)
     return QuantizedCache(
@@ -126,13 +132,17 @@ def nominal_ratio(model, kv_quant: KVQuant | None, baseline_bits: int | None = N
     """Cache size over the original model's cache, by formula, with that cache at `baseline_bits`
     (default: the model's dtype, the baseline the measurement uses).
 
-    MLA: (2r + d_kv) / (2 d_h) (METHOD.md); quantization multiplies by nbits / baseline bits (the
-    paper's x1/4 for int4 over BF16). Residual tokens and quantization scales are not in the formula.
+    MLA: (2r + d_kv) / (2 d_h) (METHOD.md), averaged with 1 over the layers a partial conversion left as they
+    were (`convert_layers`); quantization multiplies by nbits / baseline bits (the paper's x1/4 for int4 over
+    BF16). Residual tokens, quantization scales and sliding windows (`cache_elements_per_sequence` counts them
+    at a given length) are not in the formula.
     """
     ratio = 1.0
     if is_mla(model):
         spec = MLASpec.recorded(model.config.mla)
+        converted = converted_layers(attention_windows(model.config), spec.convert_layers)
         ratio = kv_ratio(ModelShape.from_config(model.config), spec)
+        ratio = (ratio * sum(converted) + len(converted) - sum(converted)) / len(converted)
     if kv_quant is not None:
         bits = baseline_bits or 8 * torch.empty((), dtype=model.dtype).element_size()
         ratio *= kv_quant.nbits / bits

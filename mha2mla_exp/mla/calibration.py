@@ -19,7 +19,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..registry import Registered, Registry
-from .families import SourceAttention, source_attentions
+from .families import SourceAttention, source_attentions, visible_keys
 
 STATISTICS = Registry("calibration statistic", "statistics")
 
@@ -156,7 +156,7 @@ class QueryMoments(Statistic):
 
 def attention_probs(layer: SourceAttention, shape, x: torch.Tensor, kwargs) -> torch.Tensor:
     """An attention layer's own causal probabilities [B, n_h, T, T] (its scale and soft cap), recomputed from
-    its input x (calibration rows are unpadded; a sliding window wider than the rows changes nothing)."""
+    its input x (calibration rows are unpadded), within its sliding window."""
     n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
     cos, sin = kwargs["position_embeddings"]
     b, t, _ = x.shape
@@ -165,10 +165,8 @@ def attention_probs(layer: SourceAttention, shape, x: torch.Tensor, kwargs) -> t
     scores = (q @ k.repeat_interleave(n_h // n_kv, dim=1).transpose(-1, -2)) * layer.scaling
     if layer.softcap is not None:
         scores = layer.softcap * torch.tanh(scores / layer.softcap)
-    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-    if layer.sliding_window is not None:
-        causal &= torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1 - layer.sliding_window)
-    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    visible = visible_keys(t, layer.sliding_window, x.device)
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
 
 
 class ValueSpread(Statistic):

@@ -28,6 +28,8 @@ class MLAConfig(LlamaConfig):
     tanh cap on the scores), `sliding_windows[layer]`, and its QK-norms `q_norm`/`k_norm` ('head' |
     'projection' | None) with `qk_norm_eps`. A field the base config has and this one lacks is read from it
     (the base model's head reads e.g. `final_logit_softcapping` from the top-level config).
+    `mla_layers[layer]`: whether the layer's attention is MLA (None: every layer); a layer left unconverted keeps
+    the family's attention and weights (the spec's `convert_layers`).
     """
 
     model_type = "mha2mla"
@@ -47,6 +49,7 @@ class MLAConfig(LlamaConfig):
     q_norm: str | None = None
     k_norm: str | None = None
     qk_norm_eps: float = 1e-6
+    mla_layers: list | None = None
 
     def __getattr__(self, name: str):
         base = self.__dict__.get("base_config")

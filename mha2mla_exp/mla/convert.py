@@ -11,14 +11,22 @@ from torch import nn
 from .budget import search_split, search_widths, selection_loss
 from .calibration import Calibration
 from .configuration import MLAConfig
-from .families import SourceAttention, family_of, rope_per_layer_type, source_attentions, unsupported_features
+from .families import (
+    SourceAttention,
+    attention_windows,
+    family_of,
+    rope_per_layer_type,
+    source_attentions,
+    unsupported_features,
+    visible_keys,
+)
 from .layouts import KeySplit, RotatedPairs
 from .lowrank import allocate_ranks, low_rank_factors, weighted_svd
 from .lowrank_init import LOWRANK_INITS, LayerProblem, Weighting
 from .modeling import MLAAttention, MLAForCausalLM
 from .nope_keys import apply_nope_keys
 from .rope import ROPE_STRATEGIES
-from .spec import MLASpec, ModelShape, budget_latent_cap, max_d_kv
+from .spec import MLASpec, ModelShape, budget_latent_cap, converted_layers, max_d_kv
 
 # Llama-config fields that every supported architecture shares and the MLA model reuses as they are
 _SHARED_CONFIG_FIELDS = (
@@ -74,6 +82,7 @@ def convert_to_mla(
     rope_pairs: int | None = None,
     nope_keys: str = "plain",
     key_weight: float | None = 1.0,
+    convert_layers: str = "all",
     calibration: Iterable | None = None,
     selection: Iterable | None = None,
 ) -> MLAForCausalLM:
@@ -92,7 +101,9 @@ def convert_to_mla(
     between layers by the same loss, its total (so the cache's bytes) kept. `nope_keys`: the keys of pairs
     that lose RoPE, 'plain' (the paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py).
     `key_weight` multiplies the init's weight on the NoPE keys' error in the joint SVD (None: searched, under a
-    KV budget). `calibration` is an iterable of input_ids batches, required by the strategies and inits that
+    KV budget). `convert_layers`: which attention layers become MLA, 'all', 'global' (the full-attention ones:
+    sliding-window layers keep the family's attention and its windowed cache) or 'sliding' (the reverse).
+    `calibration` is an iterable of input_ids batches, required by the strategies and inits that
     read statistics. The original model is left untouched: the converted one owns copies of every weight.
     """
     check_architecture(model)
@@ -111,7 +122,9 @@ def convert_to_mla(
         rope_pairs=rope_pairs,
         nope_keys=nope_keys,
         key_weight=key_weight,
+        convert_layers=convert_layers,
     )
+    converted_layers(attention_windows(model.config), spec.convert_layers)  # the layers asked for exist
     if spec.needs_calibration and calibration is None:
         raise ValueError(
             f"{' and '.join(spec.calibrated_fields())} needs calibration data (an iterable of input_ids batches)"
@@ -176,8 +189,11 @@ def _assemble(
         config.mla["budget_split"] = [
             {"rope_pairs": len(sel.kept), "latent": x.width} for sel, x in zip(selections, latents)
         ]
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if ".self_attn." not in name}
-    for i, (attn, split) in enumerate(zip(layers, splits)):
+    converted = [i for i, mla in enumerate(config.mla_layers or [True] * len(layers)) if mla]
+    replaced = tuple(f"model.layers.{i}.self_attn." for i in converted)  # the others keep the family's weights
+    state = {name: t.detach().clone() for name, t in model.state_dict().items() if not name.startswith(replaced)}
+    for i in converted:
+        attn, split = layers[i], splits[i]
         weights = attention_weights(attn, split, spec, None if latents is None else latents[i])
         state.update({f"model.layers.{i}.self_attn.{k}": v for k, v in weights.items()})
 
@@ -214,6 +230,7 @@ def build_mla_config(
         "source_name_or_path": getattr(src, "_name_or_path", ""),
     }
     windows = [attn.sliding_window for attn in layers]
+    mla_layers = converted_layers(windows, spec.convert_layers)
     config = MLAConfig(
         **fields,
         mlp_bias=getattr(src, "mlp_bias", False),
@@ -231,6 +248,7 @@ def build_mla_config(
         q_norm=first.q_norm.kind if first.q_norm else None,
         k_norm=first.k_norm.kind if first.k_norm else None,
         qk_norm_eps=(first.k_norm or first.q_norm).eps if (first.k_norm or first.q_norm) else 1e-6,
+        mla_layers=None if all(mla_layers) else mla_layers,
         architectures=["MLAForCausalLM"],
     )
     config._attn_implementation = src._attn_implementation
@@ -345,10 +363,10 @@ class LayerMeter:
         attn.reset_buffers(device)
         outputs = []
         for x, (cos, sin) in zip(self.inputs[layer], self.rotary[layer]):
-            t = x.shape[1]
-            causal = torch.full((t, t), float("-inf"), device=device).triu(1)[None, None]
+            visible = visible_keys(x.shape[1], source.sliding_window, device)  # the layer's own span
+            mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, float("-inf"))[None, None]
             x = x.to(device=device, dtype=attn.q_proj.weight.dtype)
-            outputs.append(attn(x, (cos.to(device), sin.to(device)), attention_mask=causal)[0].double())
+            outputs.append(attn(x, (cos.to(device), sin.to(device)), attention_mask=mask)[0].double())
         return outputs
 
     def error(self, layer: int, latent: Latent) -> float:
@@ -417,4 +435,5 @@ def rebuild_buffers(mla: MLAForCausalLM, source: nn.Module) -> None:
             module, _, attr = name.rpartition(".")
             mla.get_submodule(module)._buffers[attr] = source_buffers[name].detach().clone()
     for layer in mla.model.layers:
-        layer.self_attn.reset_buffers(device)
+        if isinstance(layer.self_attn, MLAAttention):  # an unconverted layer's were copied above
+            layer.self_attn.reset_buffers(device)

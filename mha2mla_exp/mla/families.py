@@ -80,6 +80,27 @@ def unsupported_features(config) -> list[str]:
     return found
 
 
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+def attention_windows(config) -> list[int | None]:
+    """Per decoder layer, the sliding window of its attention (None: full attention), read from the config as
+    transformers' DynamicCache reads it (`layer_types`, else `sliding_window`): the original's cache keeps that
+    many tokens on the layer, its masks attend that far, and so do the converted model's."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    # chunked layers are cached as sliding ones (transformers); no family converted here has them
+    return [kw.get("sliding_window") if kind in SLIDING_LAYER_TYPES else None for kind, kw in zip(types, kwargs)]
+
+
+def visible_keys(t: int, window: int | None, device=None) -> torch.Tensor:
+    """[t, t] bool: which keys each query of an unpadded row sees, causally and within `window` (None: all
+    before it), as transformers' sliding-window masks (a key less than `window` positions back)."""
+    visible = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return visible if window is None else visible.triu(1 - window)
+
+
 def norm_groups(kind: str | None, num_kv_heads: int) -> int:
     """The key norm's groups, each with its own 1/rms cached per token and layer: n_kv for a per-head norm, 1 for
     a norm over the whole projection, 0 without one."""
@@ -127,11 +148,11 @@ def apply_norm(x: torch.Tensor, kind: str, head_dim: int, eps: float, gain: torc
 
 class SourceAttention:
     """One source attention layer in one form: q/k/v/o projections (nn.Linear; fused ones split as views), its
-    QK-norms, score scale, soft cap and sliding window. Under a key norm `k_proj` holds the key rows with the
-    norm's gain folded in and `k_scale_proj` the raw key projection: a key is k_proj(x) * 1/rms(k_scale_proj(x))
-    per norm group, as the converted attention computes it."""
+    QK-norms, score scale, soft cap and sliding window (`attention_windows`). Under a key norm `k_proj` holds the
+    key rows with the norm's gain folded in and `k_scale_proj` the raw key projection: a key is
+    k_proj(x) * 1/rms(k_scale_proj(x)) per norm group, as the converted attention computes it."""
 
-    def __init__(self, attn: nn.Module, family: Family, shape):
+    def __init__(self, attn: nn.Module, family: Family, shape, sliding_window: int | None = None):
         self.module = attn
         self.shape = shape
         n_h, n_kv, d_h = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -158,7 +179,7 @@ class SourceAttention:
             self.k_proj = _scaled_linear(self.k_proj, self.k_norm.gain.to(self.k_proj.weight.dtype))
         self.scaling = float(getattr(attn, "scaling", d_h**-0.5))
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
-        self.sliding_window = getattr(attn, "sliding_window", None)
+        self.sliding_window = sliding_window  # the config's (Mistral's attention module holds none)
         self._last_input, self._projected = None, {}
 
     def _norm(self, norm: nn.Module | None, family: Family, heads: int) -> QKNorm | None:
@@ -211,7 +232,8 @@ class SourceAttention:
 def source_attentions(model: nn.Module, shape) -> list[SourceAttention]:
     """Every layer's attention of a supported causal LM, in the one form."""
     family = family_of(model.config)
-    return [SourceAttention(layer.self_attn, family, shape) for layer in model.model.layers]
+    windows = attention_windows(model.config)
+    return [SourceAttention(layer.self_attn, family, shape, w) for layer, w in zip(model.model.layers, windows)]
 
 
 def _split_linear(linear: nn.Linear, sizes: list[int]) -> list[nn.Linear]:

@@ -20,7 +20,9 @@ Layout inside `MLAAttention` (per layer); `rope_layout` (mla/layouts.py) decides
   scores) after; it is cached as `key_norm_scales` trailing columns of the latent.
 
 Around the attention everything is the base architecture's: `MLAForCausalLM` builds the source family's stock
-transformers model from `config.base_config` and swaps its attention modules (`base_causal_lm`).
+transformers model from `config.base_config` and swaps its attention modules (`base_causal_lm`), those of the
+layers `config.mla_layers` marks (None: every layer; the others keep the family's own attention and cache plain
+keys and values). Each layer's cache keeps the layer's sliding window, as the original's does (mla/cache.py).
 
 This file and the modules it imports relatively are copied into every saved folder (remote code): they
 import each other flat and nothing else from this package.
@@ -46,7 +48,7 @@ from transformers.models.llama.modeling_llama import (
 from .cache import LatentCache, QuantizedLatentCache
 from .configuration import MLAConfig
 from .decode_dispatch import absorbed_decode
-from .families import apply_norm, rms_scale
+from .families import apply_norm, attention_windows, rms_scale
 
 
 class MLAAttention(nn.Module):
@@ -341,7 +343,8 @@ def base_causal_lm(config: MLAConfig) -> nn.Module:
             base = base_class(base_config)
         config._attn_implementation = base.config._attn_implementation  # its masks are made for it
     for i, layer in enumerate(base.model.layers):
-        layer.self_attn = MLAAttention(config, i)
+        if config.mla_layers is None or config.mla_layers[i]:
+            layer.self_attn = MLAAttention(config, i)
     family_init = base.model._init_weights  # transformers initialises a sub-model with its own _init_weights
 
     def init_weights(module):
@@ -373,7 +376,7 @@ class MLAPreTrainedModel(LlamaPreTrainedModel):
 class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
     """The base family's causal LM with MLA attention: its `model` and `lm_head` are the stock model's, and its
     forward is the stock class's (logit soft-capping, MoE router losses). Called without a cache, `forward`
-    uses a `LatentCache` (never transformers' DynamicCache, which would not know k_rope may be empty)."""
+    uses `new_cache()` (never transformers' DynamicCache, which would not know k_rope may be empty)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # every supported family's
 
@@ -391,8 +394,17 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
     def forward(self, *args, cache=None, use_cache=None, **kwargs):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
-            cache = LatentCache()
+            cache = self.new_cache()
         return self._base_class.forward(self, *args, cache=cache, use_cache=use_cache, **kwargs)
+
+    def new_cache(self, quantization: dict | None = None) -> LatentCache | QuantizedLatentCache:
+        """An empty cache for this model: per layer the latent (or, on a layer left unconverted, keys and values),
+        holding what the layer's attention span reaches (its sliding window, else everything). `quantization`:
+        QuantizedLatentCache's options (backend, nbits, q_group_size, residual_length); None: full precision."""
+        windows = attention_windows(self.model.config)  # the stock model's config, whose masks run the layers
+        if quantization is not None:
+            return QuantizedLatentCache(windows, **quantization)
+        return LatentCache(windows, self.config.mla_layers)
 
     def set_absorb(self, absorb: bool = True) -> "MLAForCausalLM":
         """Switch between absorbed (latent-space) and expanded attention; returns self."""
@@ -403,12 +415,12 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             implementation = generation_config.cache_implementation
             if implementation in (None, "dynamic"):
-                model_kwargs["cache"] = LatentCache()
+                model_kwargs["cache"] = self.new_cache()
                 return
             if implementation == "quantized":
                 options = dict(generation_config.cache_config or {})
                 options.pop("config", None)
-                model_kwargs["cache"] = QuantizedLatentCache(self.config.num_hidden_layers, **options)
+                model_kwargs["cache"] = self.new_cache(options)
                 return
             raise ValueError(
                 f"cache_implementation={implementation!r} is not supported by MLA models; "

@@ -20,6 +20,8 @@ SIGMA_PLACEMENTS = ("up", "sqrt")
 # the latent width: the same in every layer; the same total spread by singular energy (d_kv); or, under a KV
 # budget, the same total spread by the whole model's measured loss (mla/budget.py)
 ALLOCATIONS = ("uniform", "global", "measured")
+# which attention layers a conversion turns into MLA: every one, the full-attention ones, or the sliding-window ones
+CONVERT_LAYERS = ("all", "global", "sliding")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class MLASpec:
     rope_pairs: int | None = None  # with kv_elements: rotated pairs every layer keeps; None = searched (budget.py)
     nope_keys: str = "plain"  # the keys of pairs that lose RoPE: plain | attended (mla/nope_keys.py)
     key_weight: float | None = 1.0  # joint SVD: the init's NoPE-key error weight times this; None = searched
+    convert_layers: str = "all"  # which attention layers become MLA (CONVERT_LAYERS; `converted_layers`)
 
     @classmethod
     def create(
@@ -100,10 +103,18 @@ class MLASpec:
         rope_pairs: int | None = None,
         nope_keys: str = "plain",
         key_weight: float | None = 1.0,
+        convert_layers: str = "all",
     ) -> "MLASpec":
-        """Check every field against `shape`; raise ValueError naming the field on bad input."""
+        """Check every field against `shape`; raise ValueError naming the field on bad input. Whether the model
+        has the layers `convert_layers` asks for is checked against its windows (`converted_layers`)."""
         strategy = ROPE_STRATEGIES.get(rope)
         _check_choice("nope_keys", nope_keys, nope.NOPE_KEYS)
+        _check_choice("convert_layers", convert_layers, CONVERT_LAYERS)
+        if convert_layers != "all" and allocation != "uniform":
+            raise ValueError(
+                f"convert_layers={convert_layers!r} with allocation={allocation!r}: the allocation spreads one "
+                "latent budget over every layer; converting some layers takes allocation='uniform'"
+            )
         key_weight = _check_key_weight(key_weight, svd, kv_elements)
         _check_choice("svd", svd, SVD_VARIANTS)
         _check_choice("score", score, SCORES)
@@ -140,6 +151,7 @@ class MLASpec:
                 rope_pairs=rope_pairs,
                 nope_keys=nope_keys,
                 key_weight=key_weight,
+                convert_layers=convert_layers,
             )
         if allocation == "measured":
             raise ValueError(
@@ -182,6 +194,7 @@ class MLASpec:
             allocation=allocation,
             nope_keys=nope_keys,
             key_weight=key_weight,
+            convert_layers=convert_layers,
         )
 
     @classmethod
@@ -229,6 +242,7 @@ class MLASpec:
         else:
             rope, width = strategy.label(self.r, self.score), f"{self.svd}-dkv{self.d_kv}"
         rope += "-att" if self.nope_keys == "attended" else ""
+        rope += "" if self.convert_layers == "all" else f"-{self.convert_layers}-layers"
         if self.svd == "none":
             return rope, "nosvd"
         key = "" if self.key_weight == 1.0 else "kwsearch" if self.key_weight is None else f"kw{self.key_weight:g}"
@@ -273,6 +287,42 @@ def kv_elements_per_token(shape: ModelShape, spec: MLASpec) -> int:
     n_kv, d_h = shape.num_kv_heads, shape.head_dim
     latent = n_kv * spec.d_kv if spec.svd != "none" else n_kv * (2 * d_h - 2 * spec.r)
     return n_kv * 2 * spec.r + latent + shape.key_norm_scales
+
+
+def converted_layers(windows: list[int | None], convert_layers: str) -> list[bool]:
+    """Per layer, whether `convert_layers` turns it into MLA, given each layer's sliding window (None: full
+    attention; `families.attention_windows`). 'global' and 'sliding' need a model with both kinds of layer
+    (elsewhere one of them would be 'all' and the other nothing): ValueError otherwise."""
+    _check_choice("convert_layers", convert_layers, CONVERT_LAYERS)
+    if convert_layers == "all":
+        return [True] * len(windows)
+    if all(w is None for w in windows) or all(w is not None for w in windows):
+        kind = "sliding-window" if all(w is None for w in windows) else "full-attention"
+        raise ValueError(
+            f"convert_layers={convert_layers!r}: this model has no {kind} layer (windows per layer: {windows}), "
+            "so there is no choice of layers to make; use convert_layers='all'"
+        )
+    return [(w is None) == (convert_layers == "global") for w in windows]
+
+
+def cache_elements_per_sequence(
+    shape: ModelShape, windows: list[int | None], length: int, spec: MLASpec | None = None
+) -> dict[str, int]:
+    """Elements one sequence's cache holds after `length` tokens, by layer kind ('full', 'sliding') and 'total'.
+
+    A full-attention layer holds every token; a sliding one what transformers' `DynamicSlidingWindowLayer` keeps
+    between calls, min(length, window - 1) (a call adds its own tokens while it runs). Per token and layer an
+    original layer holds its keys and values (2 n_kv d_h), an MLA one `kv_elements_per_token`. `spec` None: the
+    original model; else the layers `spec.convert_layers` picks are MLA and the others stay original. Times the
+    cache dtype's bytes for bytes (uniform latent widths: a per-layer allocation is counted at its mean width).
+    """
+    mla = converted_layers(windows, spec.convert_layers) if spec is not None else [False] * len(windows)
+    out = {"full": 0, "sliding": 0}
+    for window, converted in zip(windows, mla, strict=True):
+        tokens = length if window is None else min(length, window - 1)
+        per_token = kv_elements_per_token(shape, spec) if converted else 2 * shape.num_kv_heads * shape.head_dim
+        out["full" if window is None else "sliding"] += tokens * per_token
+    return out | {"total": out["full"] + out["sliding"]}
 
 
 def kv_ratio(shape: ModelShape, spec: MLASpec) -> float:

@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 from ..confutil import typed_section
 from ..data.sources import check_data_config, mixture_parts, probe_hub_datasets
 from ..evaluation.kv import KVQuant
-from ..mla.families import SUPPORTED_MODEL_TYPES, unsupported_features
+from ..mla.families import SUPPORTED_MODEL_TYPES, attention_windows, unsupported_features
 from ..mla.lowrank import FACTOR_SPLIT
-from ..mla.spec import MLASpec, ModelShape, default_r
+from ..mla.spec import MLASpec, ModelShape, converted_layers, default_r
 from ..models import DTYPES, check_model_config, folder_config, probe_architecture, shape_of
 from ..schema.identity import digest, evaluation_identity, setting_identity, trained_identity
 from ..schema.sections import (
@@ -144,7 +144,7 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
         spec = MLASpec.create(shape, **MLASpec.recorded(saved.mla).to_dict())
     elif config.variant == "mla":
         spec = _conversion_spec(config.rope, config.svd, shape)
-        notes += _check_architecture(model)
+        notes += _check_architecture(model, spec, shape)
 
     kv_quant = _kv_quantization(config.kv_quant, converted=config.variant == "mla")
     fine_tune = train.enabled and config.variant != "original"
@@ -280,6 +280,7 @@ def _conversion_spec(rope: RopeConfig, svd: SvdConfig, shape: ModelShape) -> MLA
             rope_pairs=svd.rope_pairs,
             nope_keys=rope.nope_keys,
             key_weight=svd.key_weight,
+            convert_layers=svd.convert_layers,
         )
     except ValueError as err:
         raise ConfigError(_field_for(str(err)) + str(err)) from err
@@ -466,9 +467,10 @@ def _check_train(train: TrainConfig, model: ModelConfig) -> Schedule:
         raise ConfigError(str(err)) from err
 
 
-def _check_architecture(model: ModelConfig) -> list[str]:
-    """The model's architecture must be one the converter handles, asking for nothing it cannot keep exactly; read
-    from its config.json, no weights."""
+def _check_architecture(model: ModelConfig, spec: MLASpec, shape: ModelShape) -> list[str]:
+    """The model's architecture must be one the converter handles, asking for nothing it cannot keep exactly, with
+    the layers `svd.convert_layers` asks for; read from its config.json (a random model: its family's defaults at
+    the shape's depth), no weights. A hub model whose config.json cannot be read is checked at conversion."""
     facts, notes = probe_architecture(model)
     model_type = facts.get("model_type") if facts else None
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
@@ -479,6 +481,14 @@ def _check_architecture(model: ModelConfig) -> list[str]:
     problems = unsupported_features(SimpleNamespace(**facts)) if facts else []
     if problems:
         raise ConfigError(f"model.id: {model.id!r} ({model_type}) cannot be converted exactly: {'; '.join(problems)}")
+    if spec.convert_layers != "all" and model_type is not None:
+        from transformers import AutoConfig
+
+        fields = {"num_hidden_layers": shape.num_layers} | {k: v for k, v in facts.items() if k != "model_type"}
+        try:
+            converted_layers(attention_windows(AutoConfig.for_model(model_type, **fields)), spec.convert_layers)
+        except ValueError as err:
+            raise ConfigError(f"svd.convert_layers: {model.id or model.name!r}: {err}") from err
     return notes
 
 
@@ -530,6 +540,7 @@ _SPEC_FIELDS = {
     "rope_pairs": "svd.rope_pairs",
     "nope_keys": "rope.nope_keys",
     "key_weight": "svd.key_weight",
+    "convert_layers": "svd.convert_layers",
     "r": "rope.r",
     "d_kv": "svd.d_kv",
     "head_dim": "model.shape",

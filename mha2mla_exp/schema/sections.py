@@ -203,6 +203,12 @@ class SvdConfig:
         1.0, "joint fit: weight of the NoPE-key error (null: searched)", check=positive
     )
     selection: Optional[SelectionConfig] = setting(None, "svd=budget: the sample its choice is scored on")
+    convert_layers: str = setting(
+        "all",
+        "which attention layers become MLA: all | global (full-attention only; sliding-window layers keep their "
+        "attention and windowed cache) | sliding (the reverse)",
+        check=one_of("all", "global", "sliding"),
+    )
 
 
 @dataclass
