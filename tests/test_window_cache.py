@@ -254,3 +254,28 @@ def test_layer_wise_distillation_replays_each_layers_own_window(family):
     sliding = windows.index(WINDOW)
     causal_only = [[dict(io, attention_mask=None) for io in batch] for batch in captured]
     assert _block_error(student.model.layers[sliding].self_attn, causal_only, sliding) > 1e-4
+
+
+def test_a_runs_record_states_the_cache_per_sequence_with_windows():
+    """The record's `kv.bytes_per_sequence` (and the headline's line): a windowed model's cache by length, the
+    conversion's below the original's at each; a model without sliding layers has none."""
+    from mha2mla_exp.evaluation.kv import SEQUENCE_LENGTHS, bytes_per_sequence
+    from mha2mla_exp.runner.record import headline
+
+    original = windowed_lm("gemma3_text")
+    converted = convert_to_mla(original, **LOW)
+    per = bytes_per_sequence(converted)
+    assert list(per) == [str(t) for t in SEQUENCE_LENGTHS]
+    assert per == {
+        t: {"model": v["model"], "original": bytes_per_sequence(original)[t]["model"]} for t, v in per.items()
+    }
+    assert all(v["model"] < v["original"] for v in per.values())
+    assert bytes_per_sequence(tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON))) is None
+    kv = {
+        "bytes_per_token_measured": 1.0,
+        "bytes_per_token_mha": 2.0,
+        "mem_change_pct": -50.0,
+        "bytes_per_sequence": per,
+    }
+    record = {"model": {"name": "tiny"}, "variant": "mla", "kv": kv}
+    assert "KV cache per sequence, sliding windows counted: 1,024 tokens" in headline(record)

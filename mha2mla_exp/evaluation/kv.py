@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..mla import QuantizedLatentCache, attention_windows, cache_nbytes
+from ..mla import QuantizedLatentCache, attention_windows, cache_elements_per_sequence, cache_nbytes
 from ..mla.cache import check_kv_quant
 from ..mla.configuration import MLAConfig
 from ..mla.spec import MLASpec, ModelShape, converted_layers, kv_ratio
@@ -121,6 +121,28 @@ class CacheMeter:
         return self.bytes / self.token_slots if self.token_slots else None
 
 
+SEQUENCE_LENGTHS = (1024, 8192, 32768)
+
+
+def bytes_per_sequence(model) -> dict | None:
+    """One sequence's full-precision cache at 1k, 8k and 32k tokens, this model's and the original's, sliding windows
+    counted (`cache_elements_per_sequence`): per token the two differ with the length on a windowed model. None for
+    a model without sliding layers, where bytes per token say it all."""
+    windows = attention_windows(getattr(model, "model", model).config)  # the stock decoder's config
+    if all(w is None for w in windows):
+        return None
+    shape = ModelShape.from_config(model.config)
+    spec = MLASpec.recorded(model.config.mla) if isinstance(model.config, MLAConfig) else None
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return {
+        str(t): {
+            "model": elem * cache_elements_per_sequence(shape, windows, t, spec)["total"],
+            "original": elem * cache_elements_per_sequence(shape, windows, t)["total"],
+        }
+        for t in SEQUENCE_LENGTHS
+    }
+
+
 def mha_bytes_per_token(model) -> int:
     """The original model's full K/V cache per token (all layers) at the model's dtype."""
     shape = ModelShape.from_config(model.config)
@@ -176,6 +198,7 @@ def kv_record(model, kv_quant: KVQuant | None, meter: CacheMeter) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "cache": cache_label(model, kv_quant),
         "kv_quant": kv_quant.to_dict() if kv_quant else None,
+        "bytes_per_sequence": None if kv_quant else bytes_per_sequence(model),
         "generate_calls": meter.calls,
         "note": "measured with cache_nbytes() at the end of each generate call of the generation tasks "
         "(residual full-precision tokens, quantization scales and group padding included); "

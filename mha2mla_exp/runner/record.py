@@ -98,6 +98,15 @@ def headline(record: dict) -> str:
             f"  KV cache: {kv['bytes_per_token_measured']:,.0f} B/token measured vs "
             f"{kv['bytes_per_token_mha']:,.0f} for MHA ({kv['mem_change_pct']:+.2f} %)"
         )
+    if kv.get("bytes_per_sequence"):
+        per = kv["bytes_per_sequence"]
+        lines.append(
+            "  KV cache per sequence, sliding windows counted: "
+            + ", ".join(
+                f"{int(t):,} tokens {per[t]['model'] / 2**20:,.1f} MiB vs {per[t]['original'] / 2**20:,.1f}"
+                for t in per
+            )
+        )
     return "\n".join(lines)
 
 
