@@ -20,6 +20,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..train.memory import SAVE_SHARD_BYTES
 from .record import write_json_atomic
 
 TRAINED_DIR = "_trained"
@@ -53,7 +54,7 @@ class TrainedModel:
         tmp = self.dir / "model.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, max_shard_size=SAVE_SHARD_BYTES)  # the host holds one shard off a GPU at a time
         tokenizer.save_pretrained(tmp)
         if self.model_dir.exists():
             shutil.rmtree(self.model_dir)

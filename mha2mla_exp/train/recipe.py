@@ -334,9 +334,7 @@ class FineTuneRecipe:
         flops_per_token = train_flops_per_token(model, self.train.seq_len)  # a DTensor counts its whole shape
         if self.sharded:  # gathered to the main process alone, which keeps a plain copy on the training device
             self.optimizer.state.clear()  # AdamW's moments are done with: room on the device for the plain copy
-            weights = sharding.gather_to_main(self.model)  # {} on the other processes
-            model = sharding.unsharded_copy(self.model, weights, acc.device) if acc.is_main_process else None
-            del weights
+            model = sharding.gathered_copy(self.model, acc.device, acc.is_main_process)  # None on the others
         if model is None:  # the other processes keep nothing: the runner evaluates on the main one
             self.model = self.optimizer = None
         else:
