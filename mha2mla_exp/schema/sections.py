@@ -68,7 +68,7 @@ class PaperRecipe:
     micro_batch_size: int = setting(doc="sequences per device per micro-step", check=positive)
     warmup_steps: Optional[int] = setting(None, "released code's warm-up (default steps/20)", check=non_negative)
     decay_steps: Optional[int] = setting(None, "released code's final decay (default steps/10)", check=non_negative)
-    mixture: Optional[Dict[str, float]] = setting(None, "released data mixture: part name -> weight (data=smollm_corpus)")
+    mixture: Optional[Dict[str, float]] = setting(None, "released mixture: part -> weight (data=smollm_corpus)")
     mixture_source: Optional[str] = setting(None, "the released config file the mixture is read from")
 
 

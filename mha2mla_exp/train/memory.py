@@ -291,9 +291,12 @@ class LaunchCheck:
         if not self.fits:
             verdict = f"refused: on {self.launched} process(es) it needs {self.on_launch.total_gb:.1f} GB per GPU"
         elif not self.accepted:
-            verdict = f"refused: on {self.launched} process(es) it takes about {self.wall.on(self.launched).hours:,.1f} h"
+            hours = self.wall.on(self.launched).hours
+            verdict = f"refused: on {self.launched} process(es) it takes about {hours:,.1f} h"
+        elif self.launched < self.planned:
+            verdict = "accepted (fewer processes, as train.allow_fewer_processes says)"
         else:
-            verdict = "accepted" + (" (fewer processes, as train.allow_fewer_processes says)" if self.launched < self.planned else "")
+            verdict = "accepted"
         return (
             f"the plan is laid out for {self.planned} (train.gpus, {self.on_launch.strategy}; {needed}); "
             f"this launch has {self.launched}: {verdict}"
