@@ -21,7 +21,6 @@ The decision lands in the run record (`record["placement"]`), not in the run's i
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 
 import torch
