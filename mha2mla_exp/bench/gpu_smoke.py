@@ -488,7 +488,7 @@ def stage_decode_kernel(plan: Plan, args) -> tuple[str, str, dict]:
 
 def stage_train_precision(plan: Plan, args) -> tuple[str, str, dict]:
     rtol = args.loss_rtol if args.loss_rtol is not None else plan.loss_rtol
-    shutil.rmtree(args.work / "runs", ignore_errors=True)  # fresh runs: a finished one would only be found again
+    fresh_folder(args.work / "runs")  # fresh runs: a finished one would only be found again
     runs = {
         precision: runner_stage_run(
             args, "train_precision", precision, runner_runs(plan)[precision], args.work / "runs"
@@ -577,7 +577,7 @@ def stage_fsdp(plan: Plan, args) -> tuple[str, str, dict]:
     rtol = args.loss_rtol if args.loss_rtol is not None else plan.loss_rtol
     # its own results folder: train.strategy is not part of a run's identity, so the twin's folder would hold
     # this run as already done
-    shutil.rmtree(args.work / "runs_fsdp", ignore_errors=True)
+    fresh_folder(args.work / "runs_fsdp")
     record, curve = runner_stage_run(
         args, "fsdp", "fsdp", runner_runs(plan)["fsdp"], args.work / "runs_fsdp", torchrun=True
     )
@@ -695,10 +695,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
         p.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    scratch = Path(tempfile.gettempdir()) / f"mha2mla_gpu_smoke{'_dry' if args.dry else ''}"
-    args.out = (args.out or (scratch / "out" if args.dry else ROOT / "results" / "bench" / "gpu")).resolve()
-    args.work = (args.work or scratch / "work").resolve()  # absolute: the runner reports its run dirs under it
+    for name in ("out", "work"):
+        given = getattr(args, name)
+        if given is not None and given.is_symlink():
+            p.error(f"--{name}: {given} is a symbolic link; give a real folder (the smoke deletes runs under it)")
+    # a private folder of its own (mkdtemp: new, mode 0700) unless one is given; absolute, not resolved, so that
+    # nothing the smoke deletes is reached through a symbolic link
+    scratch = None if args.out and args.work else Path(tempfile.mkdtemp(prefix="mha2mla_gpu_smoke_"))
+    args.out = (args.out or (scratch / "out" if args.dry else ROOT / "results" / "bench" / "gpu")).absolute()
+    args.work = (args.work or scratch / "work").absolute()  # absolute: the runner reports its run dirs under it
     return args
+
+
+def fresh_folder(path: Path) -> None:
+    """`path` emptied for a fresh run: a symbolic link there is removed itself, never followed (rmtree does not
+    follow the links inside a real folder either)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 # A stage that computes itself runs in its own process: TRITON_INTERPRET is read when triton is imported, and

@@ -1,0 +1,82 @@
+"""What travels to a lent GPU with the smoke test: the working tree (tracked files and the untracked ones git does
+not ignore, as the device tool copies it) and the carried folder `.whl/` (the wheels the GPU image lacks and the
+SOTU asset), against the device tool's 64 MiB. `scripts/gpu_smoke.sh prepare` refuses more than `PREPARE_MIB`
+and writes the carry's listing to `CARRY_RECORD`, so that a test (tests/test_gpu_smoke_travel.py) sees the tree
+grow past `TEST_MIB` with the carry included, on a machine that never ran prepare.
+
+    python -m mha2mla_exp.bench.travel [--record]   # prints the sizes; --record writes CARRY_RECORD
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+from .. import atomic
+
+ROOT = Path(__file__).resolve().parents[2]
+CARRY_DIR = ".whl"
+CARRY_RECORD = Path("results") / "bench" / "gpu" / "carry.json"
+MIB = 1 << 20
+DEVICE_MIB = 64  # what the device tool takes in, tree and carry together
+PREPARE_MIB = 40  # what prepare allows: room for the results still to come
+TEST_MIB = 48  # what the test allows the committed tree plus the recorded carry
+
+
+def tree_files(root: Path = ROOT) -> list[Path]:
+    """The working tree as the device tool copies it: tracked files and untracked files git does not ignore."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
+    names = [name for name in out.decode().split("\0") if name and not name.startswith(f"{CARRY_DIR}/")]
+    return [root / name for name in names if (root / name).is_file()]  # the carry is counted once, as the carry
+
+
+def tree_bytes(root: Path = ROOT) -> int:
+    return sum(path.stat().st_size for path in tree_files(root))
+
+
+def carry_files(root: Path = ROOT) -> dict[str, int]:
+    folder = root / CARRY_DIR
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def recorded_carry_bytes(root: Path = ROOT) -> int:
+    """The carry as prepare last recorded it (CARRY_RECORD)."""
+    return json.loads((root / CARRY_RECORD).read_text())["carry_bytes"]
+
+
+def describe(tree: int, carry: int) -> str:
+    return (
+        f"working tree {tree / MIB:.1f} MiB + carry {carry / MIB:.1f} MiB = {(tree + carry) / MIB:.1f} MiB "
+        f"(prepare's limit {PREPARE_MIB} MiB, the device tool's {DEVICE_MIB} MiB)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.travel", description=__doc__)
+    parser.add_argument("--record", action="store_true", help=f"write the carry's listing to {CARRY_RECORD}")
+    args = parser.parse_args(argv)
+    files = carry_files()
+    tree, carry = tree_bytes(), sum(files.values())
+    if args.record:
+        atomic.write_json(
+            ROOT / CARRY_RECORD,
+            {"carry_dir": CARRY_DIR, "files": files, "carry_bytes": carry, "tree_bytes_at_prepare": tree},
+        )
+    for name, size in files.items():
+        print(f"  {size / MIB:7.2f} MiB  {CARRY_DIR}/{name}")
+    print(describe(tree, carry))
+    if tree + carry > PREPARE_MIB * MIB:
+        print(f"refusing: more than {PREPARE_MIB} MiB would travel")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
