@@ -215,7 +215,7 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
         lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(config.train.lr):g})")
         if plan.launch is not None:
             lines.append(f"  processes: {plan.launch.describe()}")
-            lines.append(f"  wall time: {plan.launch.wall.describe()}")
+            lines.append(f"  wall time: {plan.launch.expected_wall.describe()}")
         if plan.memory is not None:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
         if plan.host_memory is not None:

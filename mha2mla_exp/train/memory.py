@@ -255,6 +255,11 @@ class LaunchCheck:
     def accepted(self) -> bool:
         return self.fits and (self.launched >= self.planned or self.fewer_intended)
 
+    @property
+    def expected_wall(self) -> WallTime:
+        """The fine-tune's wall time on this launch (fewer processes than planned where that is intended)."""
+        return self.wall.on(min(self.launched, self.planned)) if self.launched < self.planned else self.wall
+
     def command(self) -> str:
         n = self.planned
         return (
