@@ -72,7 +72,7 @@ def test_the_7b_dry_run_prints_processes_memory_schedule_and_mixture_and_refuses
     assert "REFUSED as launched: train.gpus" in printed
     assert re.search(r"GPU memory: \d+\.\d GB per GPU \(fsdp on 8 process\(es\)", printed)
     assert re.search(r"host memory: main process \d+\.\d GB .*each of the other 7 \d+\.\d GB", printed)
-    assert re.search(r"wall time: about [\d,]+\.\d h on 8 H100", printed)
+    assert re.search(r"wall time: about [\d,]+\.\d h on 1 H100", printed)
     assert "warm-up ends at step 1,000, constant, then 1-sqrt decay from step 10,000 to 0 at step 12,000" in printed
     assert re.search(
         r"mixture, token shares: fineweb-edu-dedup 73\.9%, cosmopedia-v2 13\.0%, python-edu 7\.0%, "

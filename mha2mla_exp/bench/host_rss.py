@@ -148,11 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         "main": (main_rank["after_training"], planned["main_gb"] * GB),
         "other": (other_rank.get("after_training"), planned["other_gb"] * GB),
     }
+    parts = {"main": planned["main_parts"], "other": planned["other_parts"]}
+    before = {"main": main_rank["before_load"], "other": other_rank.get("before_load")}
     comparison = {
         name: {
             "measured_peak_bytes": peak,
             "estimate_bytes": est,
             "measured_over_estimate": round(peak / est, 3) if peak else None,
+            # what the run added above the runtime, against the estimate's parts (no runtime, no slack)
+            "measured_growth_bytes": peak - before[name] if peak else None,
+            "estimated_parts_bytes": sum(parts[name].values()),
         }
         for name, (peak, est) in rows.items()
     }
@@ -172,15 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Estimate (the plan's line): {planned['describe']}",
         "",
-        "| process | measured peak RSS (GB) | estimate (GB) | measured / estimate |",
-        "|---|---|---|---|",
+        "| process | measured peak RSS (GB) | estimate (GB) | measured / estimate | growth above the runtime (GB) "
+        "| the estimate's parts (GB) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in comparison.items():
         peak = row["measured_peak_bytes"]
         lines.append(
-            f"| {name} | {peak / GB:.3f} | {row['estimate_bytes'] / GB:.3f} | {row['measured_over_estimate']} |"
+            f"| {name} | {peak / GB:.3f} | {row['estimate_bytes'] / GB:.3f} | {row['measured_over_estimate']} | "
+            f"{row['measured_growth_bytes'] / GB:.3f} | {row['estimated_parts_bytes'] / GB:.3f} |"
             if peak
-            else f"| {name} | - | {row['estimate_bytes'] / GB:.3f} | - |"
+            else f"| {name} | - | {row['estimate_bytes'] / GB:.3f} | - | - | {row['estimated_parts_bytes'] / GB:.3f} |"
         )
     largest = measured["largest_process_peak_bytes"]
     lines += [
