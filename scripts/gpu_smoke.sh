@@ -45,7 +45,8 @@ if [[ "${1:-}" == "prepare" ]]; then
     # the tree travels without .git: the commit it came from, for the machine block (set MHA2MLA_COMMIT there to override)
     echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (modified)')" > .whl/COMMIT
     # the device tool takes in 64 MiB in all, the working tree and the carry; prepare allows 40 (mha2mla_exp/bench/travel.py)
-    $PY -m mha2mla_exp.bench.travel --record
+    # lm-eval's bundled task definitions (8 MiB) stay here: the smoke's tasks are the project's own
+    $PY -m mha2mla_exp.bench.travel --slim --record
     exit $?
 fi
 

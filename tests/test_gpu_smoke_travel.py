@@ -83,3 +83,20 @@ def test_a_fresh_runs_folder_never_follows_a_symlink_into_a_deletion(tmp_path):
     (work / "runs_fsdp" / "link").symlink_to(victim / "inner")  # a link inside: removed, never followed
     gpu_smoke.fresh_folder(work / "runs_fsdp")
     assert not (work / "runs_fsdp").exists() and (victim / "inner" / "precious").read_text() == "kept"
+
+
+def test_the_slimmed_lm_eval_wheel_keeps_the_package_and_drops_the_bundled_tasks(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "lm_eval-0.4.13-py3-none-any.whl"
+    kept = ["lm_eval/__init__.py", "lm_eval/tasks/__init__.py", "lm_eval/tasks/manager.py", "lm_eval/api/task.py"]
+    dropped = ["lm_eval/tasks/hellaswag/hellaswag.yaml", "lm_eval/tasks/mmlu/default/utils.py"]
+    record = "lm_eval-0.4.13.dist-info/RECORD"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in kept + dropped:
+            z.writestr(name, "x" * 1000)
+        z.writestr(record, "".join(f"{name},sha256=x,1000\n" for name in kept + dropped))
+    assert travel.slim_wheel(wheel) > 0
+    with zipfile.ZipFile(wheel) as z:
+        assert sorted(z.namelist()) == sorted([*kept, record])
+        assert [line.split(",")[0] for line in z.read(record).decode().splitlines()] == kept

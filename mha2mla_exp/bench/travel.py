@@ -4,14 +4,18 @@ SOTU asset), against the device tool's 64 MiB. `scripts/gpu_smoke.sh prepare` re
 and writes the carry's listing to `CARRY_RECORD`, so that a test (tests/test_gpu_smoke_travel.py) sees the tree
 grow past `TEST_MIB` with the carry included, on a machine that never ran prepare.
 
-    python -m mha2mla_exp.bench.travel [--record]   # prints the sizes; --record writes CARRY_RECORD
+    python -m mha2mla_exp.bench.travel [--slim] [--record]   # the sizes; --slim: lm-eval's bundled tasks left
+                                                              # out of its carried wheel; --record: CARRY_RECORD
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
+import zipfile
 from pathlib import Path
 
 from .. import atomic
@@ -51,6 +55,32 @@ def recorded_carry_bytes(root: Path = ROOT) -> int:
     return json.loads((root / CARRY_RECORD).read_text())["carry_bytes"]
 
 
+# lm-eval's wheel is 8.7 MiB, nearly all of it the bundled task definitions (lm_eval/tasks/<suite>/); the smoke's
+# tasks are the project's own (TaskManager(include_path=..., include_defaults=False)): the carried copy leaves them
+# out
+SLIM_DROP = {"lm_eval": re.compile(r"^lm_eval/tasks/[^/]+/")}
+
+
+def slim_wheel(path: Path) -> int:
+    """Rewrite the carried wheel `path` without what SLIM_DROP names for its package (its RECORD lines too), in
+    place; the bytes saved."""
+    package = path.name.split("-")[0]
+    drop = SLIM_DROP[package]
+    before = path.stat().st_size
+    slim = path.with_name(path.name + ".slim")
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if drop.match(info.filename):
+                continue
+            data = src.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                kept = [line for line in data.decode().splitlines() if not drop.match(line)]
+                data = ("\n".join(kept) + "\n").encode()
+            dst.writestr(info, data)
+    os.replace(slim, path)
+    return before - path.stat().st_size
+
+
 def describe(tree: int, carry: int) -> str:
     return (
         f"working tree {tree / MIB:.1f} MiB + carry {carry / MIB:.1f} MiB = {(tree + carry) / MIB:.1f} MiB "
@@ -61,7 +91,12 @@ def describe(tree: int, carry: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha2mla_exp.bench.travel", description=__doc__)
     parser.add_argument("--record", action="store_true", help=f"write the carry's listing to {CARRY_RECORD}")
+    parser.add_argument("--slim", action="store_true", help="first rewrite the carried wheels SLIM_DROP names")
     args = parser.parse_args(argv)
+    if args.slim:
+        for package in SLIM_DROP:
+            for wheel in sorted((ROOT / CARRY_DIR).glob(f"{package}-*.whl")):
+                print(f"slimmed {wheel.name}: {slim_wheel(wheel) / MIB:.1f} MiB of bundled task definitions left out")
     files = carry_files()
     tree, carry = tree_bytes(), sum(files.values())
     if args.record:
