@@ -1,7 +1,7 @@
 """GPU smoke test (issue 44): every CUDA path of the project at small scale, in one command under 8 minutes.
 
 On a lent GPU (one H100/H200, no network, 10 minutes a command), from the repository root:
-    here, once, with PyPI:  bash scripts/gpu_smoke.sh prepare    # the missing wheels into .whl/ (< 60 MiB)
+    here, once, with PyPI:  bash scripts/gpu_smoke.sh prepare    # the missing wheels into .whl/ (tree + carry < 40 MiB)
     there, one call:        bash scripts/gpu_smoke.sh            # carry: [".whl"]; device timeout_s=600
 It installs the carried wheels into /tmp/site, runs `python -m mha2mla_exp.bench.gpu_smoke` with a 450 s
 budget and copies the stage files into $OUT. Commit what lands in results/bench/gpu/.
