@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..data.rows import local_rows
 from ..schema.sections import ObjectiveConfig, TrainConfig
 from . import sharding
-from .budget import plan_budget, pretrain_share_pct
+from .budget import PEAK_BF16_FLOPS, flops_per_token, plan_budget, pretrain_share_pct
 from .loss_head import loss_head_for
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
@@ -485,15 +485,16 @@ def remove_checkpoint(checkpoint_root: Path) -> None:
 
 
 # dense bf16 tensor-core peaks (no sparsity), per device; MFU is left empty elsewhere (CPUs)
-_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
 def train_flops_per_token(model, seq_len: int) -> float:
-    """6N for the weights plus 12 * L * d_attn * T for attention scores and mixing (PaLM's estimate)."""
+    """budget.flops_per_token of the model as built (its parameters counted)."""
     cfg = model.config
-    n = sum(p.numel() for p in model.parameters())
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
-    return 6 * n + attn
+    return flops_per_token(
+        parameters=sum(p.numel() for p in model.parameters()),
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq_len,
+    )
 
 
 def _mixture_read(rows) -> dict:
@@ -513,5 +514,5 @@ def _mfu(flops_per_s: float, accelerator: Accelerator) -> float | None:
     if accelerator.device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(accelerator.device)
-    peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
     return round(flops_per_s / (peak * accelerator.num_processes), 4) if peak else None
