@@ -24,6 +24,16 @@ if not OmegaConf.has_resolver("mla_mul"):
 # a fallback for a field the schema declares but leaves null (`oc.select` falls back only when the key is absent)
 if not OmegaConf.has_resolver("mla_or"):
     OmegaConf.register_new_resolver("mla_or", lambda value, fallback: fallback if value is None else value)
+if not OmegaConf.has_resolver("mla_min"):
+    OmegaConf.register_new_resolver("mla_min", lambda *xs: min(int(x) for x in xs))
+# SLURM's per-node memory request from the host-memory estimate (conf/hydra/launcher/slurm.yaml)
+if not OmegaConf.has_resolver("mla_slurm_mem_gb"):
+    OmegaConf.register_new_resolver(
+        "mla_slurm_mem_gb",
+        lambda model, train, data, tasks: __import__(
+            "mha2mla_exp.train.memory", fromlist=["slurm_mem_gb_for"]
+        ).slurm_mem_gb_for(model, train, data, int(tasks)),
+    )
 register_schema()  # conf/config.yaml composes onto the typed schema (mha2mla_exp/schema)
 
 T = TypeVar("T")

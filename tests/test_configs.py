@@ -190,40 +190,25 @@ def test_paper_share_of_pretraining_tokens():
 
 
 def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_access):
-    monkeypatch.setenv("WORLD_SIZE", "8")  # train=paper's grad_accum follows the processes: 64 / (16 x 8) = 0
-    cfg = compose_cfg(["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"])
+    # train=paper forms the per-process batch itself: 64 rows on 8 processes take a micro-batch of 8 (the paper's
+    # 16 x 8 processes gave grad_accum 0 and a refusal); what no micro-batch can form is refused
+    base = ["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    ok = compose_cfg(base)
+    assert (ok.train.micro_batch_size, ok.train.grad_accum) == (8, 1) and validate(ok).fine_tune
     with pytest.raises(
         ConfigError,
-        match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 0 x 8 processes = 0 "
+        match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 128 rows .* is 64: "
+        r"set train\.grad_accum=1",
+    ):
+        validate(compose_cfg([*base, "train.grad_accum=2"]))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 1 x 3 processes = 48 "
         r"rows .* is 64: choose micro_batch_size x processes dividing 64",
     ):
-        validate(cfg)
-    with pytest.raises(
-        ConfigError,
-        match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 256 rows .* is 64: "
-        r"set train\.grad_accum=0|choose micro_batch_size",
-    ):
-        validate(
-            compose_cfg(
-                [
-                    "+experiment=table1",
-                    "budget=paper",
-                    "model=smollm_135m",
-                    "variant=finetuned_full_attention",
-                    "train.grad_accum=2",
-                ]
-            )
-        )
-    ok = compose_cfg(
-        [
-            "+experiment=table1",
-            "budget=paper",
-            "model=smollm_135m",
-            "variant=finetuned_full_attention",
-            "train.micro_batch_size=8",
-        ]
-    )
-    assert ok.train.grad_accum == 1 and validate(ok).fine_tune
+        validate(compose_cfg(base))
 
 
 def test_an_unsupported_architecture_fails_before_loading(tmp_path):

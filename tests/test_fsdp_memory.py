@@ -125,8 +125,7 @@ def test_the_gathered_model_is_built_on_the_device_it_is_given(world_of_one, tar
     model = tiny_causal_lm("gqa", tie=True)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     sharding.shard(model, "cpu", 1)
-    gathered = sharding.gather_to_main(model)
-    plain = sharding.unsharded_copy(model, gathered, torch.device(target))
+    plain = sharding.gathered_copy(model, torch.device(target), main=True)
     assert not sharding.is_sharded(plain)
     assert {p.device.type for p in plain.parameters()} == {target}
     assert {b.device.type for b in plain.buffers()} == {target}

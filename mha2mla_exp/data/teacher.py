@@ -16,9 +16,10 @@ teacher's identity and every generation setting but the count; `generation.json`
 shard cost in CPU-seconds (process time, all threads) and wall seconds, on which machine.
 
 A set can be published with the repository (results/teacher_samples/shards/<teacher>-<key>/, the same
-folder name, so the same key): a missing shard is then copied from there instead of generated, and its
-manifest entry (what writing it cost, where) comes with it. A fresh clone thus trains on the committed set
-without paying for generation again; the cost stays stated once, as the record's data.generation.
+folder name, so the same key; each shard gzipped, `.safetensors.gz`): a missing shard is then unpacked from there
+instead of generated, and its manifest entry (what writing it cost, where) comes with it. A fresh clone thus trains
+on the committed set without paying for generation again; the cost stays stated once, as the record's
+data.generation.
 
 `python -m mha2mla_exp.data.teacher [overrides]` generates the set a data config names and publishes a small
 readable sample (results/teacher_samples/).
@@ -26,6 +27,7 @@ readable sample (results/teacher_samples/).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -44,6 +46,7 @@ from ..schema.sections import DataConfig, GenerationConfig, ModelConfig
 log = logging.getLogger(__name__)
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[2] / "results" / "teacher_samples" / "shards"
+PUBLISHED_SUFFIX = ".gz"  # published shards are gzipped (a third of the size in the tree); the cache keeps them plain
 FORMAT = 1
 _PAD = -1  # after a sample's EOS
 
@@ -255,10 +258,11 @@ def _copy_published(folder: Path, gen: GenerationConfig, published_root: Path | 
     manifest = _read_manifest(folder) or {k: published[k] for k in ("format", "teacher", "generation")} | {"shards": {}}
     for shard in range(shard_count(gen)):
         name = _shard_name(shard)
-        if (folder / name).is_file() or not (source / name).is_file():
+        packed = source / (name + PUBLISHED_SUFFIX)
+        if (folder / name).is_file() or not packed.is_file():
             continue
-        with atomic.atomic_path(folder / name) as tmp:
-            shutil.copyfile(source / name, tmp)
+        with atomic.atomic_path(folder / name) as tmp, gzip.open(packed, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
         manifest["shards"][str(shard)] = published["shards"][str(shard)] | {"copied_from": "published"}
     _write_manifest(folder, manifest)
 
@@ -275,7 +279,9 @@ def publish_shards(data: DataConfig, published_root: Path | None = None) -> Path
     if manifest is None or any(not (folder / n).is_file() for n in names):
         raise FileNotFoundError(f"teacher set {folder} is incomplete: generate it before publishing")
     for name in names:
-        shutil.copyfile(folder / name, dest / name)
+        packed = (folder / name).read_bytes()
+        # mtime 0: the same shard packs to the same bytes, so a republished set changes no committed file
+        atomic.write_bytes(dest / (name + PUBLISHED_SUFFIX), gzip.compress(packed, compresslevel=9, mtime=0))
     kept = {str(s): manifest["shards"][str(s)] for s in range(shard_count(gen))}
     _write_manifest(dest, {k: manifest[k] for k in ("format", "teacher", "generation")} | {"shards": kept})
     return dest

@@ -20,6 +20,7 @@ The decision lands in the run record (`record["placement"]`), not in the run's i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -78,6 +79,20 @@ class EvalPlacement:
             return
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def full_fp32():
+        """fp32 matmuls in full fp32 inside (TF32 off), the previous setting back after: the conversion's
+        calibration statistics and SVD, so that an fp32 conversion on a GPU is the CPU's."""
+        matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(matmul)
+            torch.backends.cudnn.allow_tf32 = cudnn
 
     def to_record(self) -> dict:
         return {

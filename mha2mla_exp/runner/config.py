@@ -32,7 +32,7 @@ from ..schema.sections import (
     SvdConfig,
     TrainConfig,
 )
-from ..train.budget import plan_budget
+from ..train.budget import PEAK_BF16_FLOPS, WallTime, flops_per_token, gpu_kind_of, plan_budget
 from ..train.memory import (
     HostEstimate,
     LaunchCheck,
@@ -156,7 +156,7 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
     distill = spec is not None and config.distill.enabled
     if config.variant == "finetuned_full_attention" and not train.enabled:
         raise ConfigError("train.enabled: the full-attention fine-tune baseline needs fine-tuning enabled")
-    device_type = _device_type(config.device)
+    device_type = _device_type(config.device, dry_run=config.dry_run)
     precision = memory = host_memory = launch = schedule = None
     refused = [] if config.dry_run else None
     if fine_tune:
@@ -179,6 +179,7 @@ def validate(cfg: DictConfig | RunConfig, *, bf16_pays=None) -> RunPlan:
             )
         memory, host_memory, launch = _check_memory(
             train,
+            train.data or config.data,
             model,
             shape,
             precision,
@@ -337,6 +338,7 @@ def intermediate_size(model: ModelConfig, shape: ModelShape) -> int:
 
 def _check_memory(
     train: TrainConfig,
+    data: DataConfig,
     model: ModelConfig,
     shape: ModelShape,
     precision: Precision,
@@ -346,11 +348,12 @@ def _check_memory(
     dry_run: bool,
     refused: list | None,
 ) -> tuple[MemoryEstimate | None, HostEstimate | None, LaunchCheck | None]:
-    """The fine-tune's per-GPU and host memory where the train config states the GPU's (`train.gpu_memory_gb`),
-    for the processes the plan is laid out for (`train.gpus`, or this launch's where it has several). A plan above
-    the GPU's memory is refused, on a GPU and in a dry run (which plans a GPU launch from anywhere); so is a launch
-    with fewer processes than the plan needs, where the plan then would not fit (one process of an 8-GPU FSDP plan
-    trains unsharded): a real run raises, a dry run says so in `refused`."""
+    """The fine-tune's per-GPU and host memory and its wall time where the train config states the GPU's memory
+    (`train.gpu_memory_gb`), for the processes the plan is laid out for (`train.gpus`, or this launch's where it
+    has more). A plan above the GPU's memory is refused, on a GPU and in a dry run (which plans a GPU launch from
+    anywhere); so is a launch with fewer processes than the plan's, for memory where it would not fit (one process
+    of an 8-GPU FSDP plan trains unsharded) and for time where it would (train.allow_fewer_processes=true: intended),
+    naming the command that launches it right: a real run raises, a dry run says so in `refused`."""
     strategy = train.strategy
     if strategy == "fsdp" and precision.separate_master_copy:
         raise ConfigError(
@@ -367,7 +370,7 @@ def _check_memory(
             f"{model.name!r}'s vocabulary size"
         )
     launched, limit = world_size(), float(train.gpu_memory_gb)
-    planned = launched if launched > 1 else train.gpus
+    planned = max(launched, train.gpus)  # more processes than the plan's: the launch's own layout
 
     def per_gpu(processes: int) -> MemoryEstimate:
         return estimate_memory(
@@ -393,13 +396,37 @@ def _check_memory(
         memory = per_gpu(planned)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    host = estimate_host_memory(parameters=memory.parameters, processes=planned, strategy=strategy)
+    host = estimate_host_memory(
+        parameters=memory.parameters,
+        processes=planned,
+        strategy=strategy,
+        largest_tensor=int(vocab_size) * shape.hidden_size,
+        stream_parts=len(data.mixture or ()) if data.source == "hub" else 0,
+        stream_window_tokens=data.shuffle_rows * train.seq_len if data.source == "hub" else 0,
+        device_type=device_type,
+        on_device=memory,
+    )
+    budget = plan_budget(train, pretrain_tokens=model.pretrain_tokens, num_processes=launched)
+    wall = WallTime(
+        tokens=budget.tokens,
+        flops_per_token=flops_per_token(
+            parameters=memory.parameters,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            head_dim=shape.head_dim,
+            seq_len=train.seq_len,
+        ),
+        processes=planned,
+        gpu=_gpu_kind(train.gpu_kind, device_type),
+    )
     launch = LaunchCheck(
         planned=planned,
         launched=launched,
         needed=processes_needed(per_gpu, limit),
         on_launch=per_gpu(launched),
         limit_gb=limit,
+        wall=wall,
+        fewer_intended=train.allow_fewer_processes,
     )
     if device_type != "cuda" and not dry_run:
         return memory, host, launch
@@ -409,26 +436,35 @@ def _check_memory(
             f"{train.gpu_memory_gb} GB stated; use more GPUs (train.gpus), train.strategy=fsdp, "
             "train.activation_checkpointing=true or a smaller train.micro_batch_size"
         )
-    if not launch.fits:
-        why = (
-            f"train.gpus: this launch has {launched} process(es) but the plan is laid out for {planned} "
-            f"({strategy}); on {launched} the fine-tune needs about {launch.on_launch.describe()}, above the "
-            f"{limit:g} GB of train.gpu_memory_gb. Launch {planned} processes: torchrun --nproc_per_node {planned} "
-            f"(on SLURM: hydra.launcher.tasks_per_node={planned} hydra.launcher.gpus_per_node={planned})"
-        )
+    why = launch.refusal()
+    if why is not None:
         if refused is None:
             raise ConfigError(why)
         refused.append(why)
     return memory, host, launch
 
 
-def _device_type(device: str) -> str:
+def _gpu_kind(asked: str | None, device_type: str) -> str:
+    """The GPU kind the wall time is planned for: `train.gpu_kind`, else this machine's GPU, else an H100."""
+    if asked is not None:
+        if asked not in PEAK_BF16_FLOPS:
+            raise ConfigError(f"train.gpu_kind: unknown {asked!r}; expected one of {', '.join(PEAK_BF16_FLOPS)}")
+        return asked
+    if device_type == "cuda" and torch.cuda.is_available():
+        return gpu_kind_of(torch.cuda.get_device_name()) or "H100"
+    return "H100"
+
+
+def _device_type(device: str, *, dry_run: bool = False) -> str:
+    """The device kind a run is planned for: `auto` is this machine's; a named one is planned for as named, and a
+    dry run may name a device this machine lacks (`device=cuda` on a laptop: the GPU run's precision, evaluation
+    dtype and hashes)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind = str(device).split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"device: unknown {device!r}; expected auto, cpu or cuda")
-    if kind == "cuda" and not torch.cuda.is_available():
+    if kind == "cuda" and not torch.cuda.is_available() and not dry_run:
         raise ConfigError("device: cuda was asked for, but torch sees no CUDA device here")
     return kind
 

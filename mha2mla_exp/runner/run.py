@@ -252,6 +252,7 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
         lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(config.train.lr):g})")
         if plan.launch is not None:
             lines.append(f"  processes: {plan.launch.describe()}")
+            lines.append(f"  wall time: {plan.launch.expected_wall.describe()}")
         if plan.memory is not None:
             lines.append(f"  GPU memory: {plan.memory.describe()}")
         if plan.host_memory is not None:
@@ -270,7 +271,12 @@ def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
         from ..data.sources import mixture_token_shares
 
         shares = mixture_token_shares(corpus)
-        lines.append("  mixture, token shares: " + ", ".join(f"{name} {share:.1%}" for name, share in shares))
+        source = config.model.paper_recipe.mixture_source if config.model.paper_recipe else None
+        lines.append(
+            "  mixture, token shares: "
+            + ", ".join(f"{name} {share:.1%}" for name, share in shares)
+            + (f" (released: {source})" if source and corpus.name == "smollm-corpus" else "")
+        )
     lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  blocked on this machine: {why}" for why in plan.blocked]

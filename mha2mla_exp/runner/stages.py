@@ -127,7 +127,12 @@ def convert(plan: RunPlan, model, calibration, selection=None):
     saved MLA folder (already converted)."""
     if plan.spec is None or getattr(model.config, "model_type", None) == "mha2mla":
         return model
-    return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration, selection=selection)
+    from ..evaluation.placement import EvalPlacement
+
+    if torch.get_float32_matmul_precision() != "highest":
+        log.info("conversion: calibration statistics and SVD in full fp32 (TF32 off until it ends)")
+    with EvalPlacement.full_fp32():  # TF32 is on for the run on CUDA (EvalPlacement.apply_matmul_precision)
+        return convert_to_mla(model, **plan.spec.to_dict(), calibration=calibration, selection=selection)
 
 
 def distill(plan: RunPlan, teacher, student, data) -> dict:

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from ..faults import fault_point
+from ..train.memory import SAVE_SHARD_BYTES
 from .lock import FolderLock, describe_holder
 from .record import write_json_atomic
 
@@ -57,7 +58,7 @@ class TrainedModel:
         tmp = self.dir / "model.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, max_shard_size=SAVE_SHARD_BYTES)  # the host holds one shard off a GPU at a time
         tokenizer.save_pretrained(tmp)
         if self.model_dir.exists():  # an earlier save cut before trained.json: incomplete, never read
             shutil.rmtree(self.model_dir)

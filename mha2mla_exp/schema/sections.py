@@ -78,6 +78,8 @@ class PaperRecipe:
     micro_batch_size: int = setting(doc="sequences per device per micro-step", check=positive)
     warmup_steps: Optional[int] = setting(None, "released code's warm-up (default steps/20)", check=non_negative)
     decay_steps: Optional[int] = setting(None, "released code's final decay (default steps/10)", check=non_negative)
+    mixture: Optional[Dict[str, float]] = setting(None, "released mixture: part -> weight (data=smollm_corpus)")
+    mixture_source: Optional[str] = setting(None, "the released config file the mixture is read from")
 
 
 @dataclass
@@ -291,6 +293,12 @@ class TrainConfig:
     strategy: str = setting("ddp", "ddp | fsdp", check=one_of("ddp", "fsdp"), observer=True)
     activation_checkpointing: bool = setting(False, "recompute each layer in the backward", observer=True)
     gpus: int = setting(1, "the GPUs a plan is estimated for", check=positive, observer=True)
+    allow_fewer_processes: bool = setting(
+        False, "a launch with fewer processes than train.gpus is intended (memory still checked)", observer=True
+    )
+    gpu_kind: Optional[str] = setting(
+        None, "GPU the wall time is planned for (H100, H200, A100...; null: this machine's, else H100)", observer=True
+    )
     gpu_memory_gb: Optional[float] = setting(
         None, "set: the plan is checked against this per-GPU memory", check=positive, observer=True
     )

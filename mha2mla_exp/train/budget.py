@@ -71,3 +71,65 @@ def check_epochs(tokens: int, available: int | None, epochs_allowed) -> float | 
             "corpus (data=smollm_corpus), or set train.epochs_allowed=true (or a number of passes)"
         )
     return epochs
+
+
+# ---- wall time: a plan is checked for time as well as memory --------------------------------------------------------
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}  # dense
+
+
+def flops_per_token(*, parameters: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus 12 * L * d_attn * T for attention scores and mixing
+    (PaLM's estimate)."""
+    return 6 * parameters + 12 * num_layers * num_heads * head_dim * seq_len
+
+
+# The one measured training throughput on a GPU, and where it comes from; every other model and GPU kind is scaled
+# from it by FLOPs per token and the GPU's bf16 peak (the same MFU). A 135M model keeps a GPU busy worse than a
+# large one, so for the 1.7B and the 7B the times below are upper bounds.
+REFERENCE_THROUGHPUT = {
+    "gpu": "H200",
+    "tokens_per_s": 105_000,
+    "shape": {"parameters": 134_515_008, "num_layers": 30, "num_heads": 9, "head_dim": 64, "seq_len": 512},
+    "source": "SmolLM2-135M's shape, bf16 autocast with fp32 master weights, AdamW, batch 32 x 512, no compile, "
+    "torch 2.11 + CUDA 13, one H200, 2026-11-30 (docs/PAPER_SCALE.md section 5)",
+}
+
+
+def reference_mfu() -> float:
+    ref = REFERENCE_THROUGHPUT
+    return ref["tokens_per_s"] * flops_per_token(**ref["shape"]) / PEAK_BF16_FLOPS[ref["gpu"]]
+
+
+def gpu_kind_of(name: str) -> str | None:
+    """The table's GPU kind in a device name ('NVIDIA H100 80GB HBM3' -> 'H100'), None when not in the table."""
+    return next((kind for kind in PEAK_BF16_FLOPS if kind in name), None)
+
+
+@dataclass(frozen=True)
+class WallTime:
+    """A fine-tune's expected wall time on `processes` GPUs of `gpu` (the reference throughput's MFU)."""
+
+    tokens: int
+    flops_per_token: float
+    processes: int
+    gpu: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.processes * reference_mfu() * PEAK_BF16_FLOPS[self.gpu] / self.flops_per_token
+
+    @property
+    def hours(self) -> float:
+        return self.tokens / self.tokens_per_s / 3600
+
+    def on(self, processes: int) -> WallTime:
+        return WallTime(self.tokens, self.flops_per_token, processes, self.gpu)
+
+    def describe(self) -> str:
+        ref = REFERENCE_THROUGHPUT
+        return (
+            f"about {self.hours:,.1f} h on {self.processes} {self.gpu} ({self.tokens_per_s:,.0f} tokens/s: "
+            f"{reference_mfu():.1%} MFU of {PEAK_BF16_FLOPS[self.gpu] / 1e12:.0f} TFLOP/s bf16 per GPU, "
+            f"from {ref['tokens_per_s']:,} tokens/s measured on one {ref['gpu']} (train/budget.py "
+            "REFERENCE_THROUGHPUT); an upper bound for models larger than 135M)"
+        )

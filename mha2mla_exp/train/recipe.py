@@ -40,7 +40,7 @@ from ..data.rows import local_rows
 from ..faults import fault_point
 from ..schema.sections import ObjectiveConfig, TrainConfig
 from . import sharding
-from .budget import plan_budget, pretrain_share_pct
+from .budget import PEAK_BF16_FLOPS, flops_per_token, plan_budget, pretrain_share_pct
 from .loss_head import loss_head_for
 from .master_weights import MasterWeights
 from .objectives import Objective, build_objective
@@ -360,9 +360,7 @@ class FineTuneRecipe:
         flops_per_token = train_flops_per_token(model, self.train.seq_len)  # a DTensor counts its whole shape
         if self.sharded:  # gathered to the main process alone, which keeps a plain copy on the training device
             self.optimizer.state.clear()  # AdamW's moments are done with: room on the device for the plain copy
-            weights = sharding.gather_to_main(self.model)  # {} on the other processes
-            model = sharding.unsharded_copy(self.model, weights, acc.device) if acc.is_main_process else None
-            del weights
+            model = sharding.gathered_copy(self.model, acc.device, acc.is_main_process)  # None on the others
         if model is None:  # the other processes keep nothing: the runner evaluates on the main one
             self.model = self.optimizer = None
         else:
@@ -507,15 +505,16 @@ def remove_checkpoint(checkpoint_root: Path) -> None:
 
 
 # dense bf16 tensor-core peaks (no sparsity), per device; MFU is left empty elsewhere (CPUs)
-_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
 def train_flops_per_token(model, seq_len: int) -> float:
-    """6N for the weights plus 12 * L * d_attn * T for attention scores and mixing (PaLM's estimate)."""
+    """budget.flops_per_token of the model as built (its parameters counted)."""
     cfg = model.config
-    n = sum(p.numel() for p in model.parameters())
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
-    return 6 * n + attn
+    return flops_per_token(
+        parameters=sum(p.numel() for p in model.parameters()),
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq_len,
+    )
 
 
 def _mixture_read(rows) -> dict:
@@ -535,5 +534,5 @@ def _mfu(flops_per_s: float, accelerator: Accelerator) -> float | None:
     if accelerator.device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(accelerator.device)
-    peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
     return round(flops_per_s / (peak * accelerator.num_processes), 4) if peak else None

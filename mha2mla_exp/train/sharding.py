@@ -10,8 +10,9 @@ No process but the main one ever holds the whole model on the host:
   (`take_shards_from_main`: torch.distributed.checkpoint's broadcast_from_rank0, one tensor at a time);
 - checkpoints: torch.distributed.checkpoint writes each process's shards of the weights and AdamW's state into
   one file per process (`save_sharded`), and a resume reads back only its own (`load_sharded`);
-- end: the weights are gathered to the main process alone (`gather_to_main`), which builds a plain, unsharded
-  copy on the training device (`unsharded_copy`) to evaluate and save; the other processes keep nothing.
+- end: the weights are gathered one tensor at a time into a plain, unsharded copy on the main process's training
+  device (`gathered_copy`), which it evaluates and saves (one safetensors shard at a time: runner/trained.py); the
+  other processes keep nothing, and no process holds the whole model on the host.
 What only one process did under DDP is collective here, because a sharded parameter exists only as N pieces:
 the held-out probe runs on every process.
 """
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as td
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -97,29 +97,40 @@ def load_sharded(model, optimizer, folder) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def gather_to_main(model) -> dict:
-    """The full weights, gathered one tensor at a time onto the main process's host memory (collective; the
-    other processes get an empty dict: full_state_dict with cpu_offload keeps rank 0's values only)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def gathered_copy(model: torch.nn.Module, device: torch.device, main: bool) -> torch.nn.Module | None:
+    """The trained weights gathered into a plain module of the model's own class on `device` (the training device:
+    the main process evaluates it there; a sharded module would wait for the other processes at every forward), on
+    the main process; None on the others (collective). One tensor at a time: each is all-gathered on the training
+    device, copied into the plain module and freed, so the whole fp32 model is never on the host (the GPU holds the
+    plain copy and one gathered tensor) and the final save then writes it one safetensors shard at a time."""
+    from torch.distributed.tensor import DTensor
 
-
-def unsharded_copy(model: torch.nn.Module, model_state: dict, device: torch.device) -> torch.nn.Module:
-    """A plain module of the model's own class holding the gathered weights, on `device` (the training device:
-    the main process evaluates it there; a sharded module would wait for the other processes at every forward).
-    Built on the meta device and materialised on `device`, so the host holds only the gathered state."""
-    cls = type(model).__bases__[-1]  # fully_shard made the class (FSDPModule, the model's own class)
-    with torch.device("meta"):
-        plain = cls(model.config)
-    plain.to_empty(device=device)
-    missing, unexpected = plain.load_state_dict(model_state, strict=False)
+    plain = target = None
+    if main:
+        cls = type(model).__bases__[-1]  # fully_shard made the class (FSDPModule, the model's own class)
+        with torch.device("meta"):
+            plain = cls(model.config)
+        plain.to_empty(device=device)
+        target = plain.state_dict()  # views of the plain module's tensors
+    copied = set()
+    with torch.no_grad():
+        for name, value in model.state_dict().items():  # the same order on every process
+            full = value.full_tensor() if isinstance(value, DTensor) else value  # collective
+            if main:
+                if name not in target:
+                    raise RuntimeError(f"the gathered weights do not fit {type(plain).__name__}: unexpected {name}")
+                target[name].copy_(full)
+                copied.add(name)
+            del full
+    if not main:
+        return None
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(
-            f"the gathered weights do not fit {cls.__name__}: missing {missing}, unexpected {unexpected}"
-        )
+    missing = set(target) - copied - tied
+    if missing:
+        raise RuntimeError(f"the gathered weights do not fit {type(plain).__name__}: missing {sorted(missing)}")
     plain.tie_weights()
     sharded_buffers = dict(model.named_buffers())  # not sharded: every process has them whole
     with torch.no_grad():
         for name, buffer in plain.named_buffers():
             buffer.copy_(sharded_buffers[name])
-    return plain.to(dtype=next(iter(model_state.values())).dtype)
+    return plain.to(dtype=next(model.parameters()).dtype)
