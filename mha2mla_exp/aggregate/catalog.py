@@ -186,6 +186,23 @@ register(
     )
 )
 register(
+    ZeroShot(
+        name="gemma3_zero_shot",
+        experiments=("gemma3_zero_shot",),
+        caption="Experiment gemma3_zero_shot: the paper's grid on the real Gemma-3 270M, without fine-tuning",
+    )
+)
+register(
+    PerplexityPairs(
+        name="gemma3_zero_shot_pairs",
+        experiments=("gemma3_zero_shot",),
+        caption="Held-out perplexity of the real Gemma-3 270M without fine-tuning, every pair of rows of "
+        "gemma3_zero_shot that differs in one factor",
+        question="Without fine-tuning, which of two conversions of Gemma-3 270M that differ in one thing fits "
+        "held-out text better? One panel per question: strategy against strategy, SVD variants, widths.",
+    )
+)
+register(
     ReferenceConverter(
         name="budget_vs_transmla",
         experiments=("rorope_zero_shot", "budget_zero_shot"),
