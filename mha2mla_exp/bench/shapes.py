@@ -44,11 +44,6 @@ class Shape:
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
 
-    @property
-    def bytes_ratio_bound(self) -> float:
-        """Best decode-attention speedup of MLA over MHA: bytes read per token, 2*d_h/(2r+d_kv)."""
-        return 2 * self.head_dim / (2 * self.r + self.d_kv)
-
 
 # METHOD.md's table; r = d_h/16; d_kv: 32 at d_h=64 (31.25% of the MHA cache), 16 at d_h=128 (12.5%)
 SHAPES = {

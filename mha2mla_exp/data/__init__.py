@@ -2,10 +2,11 @@
 packing, on-disk token cache and calibration sampling (the token budget is train/budget.py's)."""
 
 from .packing import Packed, concat_documents, is_held_out, pack
-from .prepare import PreparedData, StreamedData, calibration_batches, prepare_data, tokenizer_fingerprint
+from .prepare import PreparedData, StreamedData, calibration_batches, prepare_data
 from .rows import FiniteRows, local_rows
 from .sources import check_data_config, iter_documents, local_files
 from .stream import TrainStream
+from .tokens import tokenizer_fingerprint
 
 __all__ = [
     "FiniteRows",

@@ -33,7 +33,7 @@ from .packing import concat_documents, is_held_out, pack
 from .rows import FiniteRows, rechunk
 from .sources import check_data_config, corpus_fingerprint, iter_documents
 from .stream import StreamMixture, TrainStream, plan_mixture, read_held_out, read_shares
-from .tokens import bos_prefix, tokenize_documents
+from .tokens import bos_prefix, tokenize_documents, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,6 @@ class PreparedData:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
         rows, tail = getattr(self, split), getattr(self, f"{split}_tail")
         return torch.cat([rows.reshape(-1), tail])
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """Name and a hash of the full tokenizer definition (vocab, merges, normaliser), for cache keys."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return {
-        # the folder's last part only: the same tokenizer under another cache root keeps its key
-        "name": Path(str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)).name,
-        "vocab_size": len(tokenizer),
-        "sha256": hashlib.sha256(definition.encode()).hexdigest(),
-    }
 
 
 def resolve_separator(data: DataConfig, tokenizer) -> int:

@@ -39,7 +39,7 @@ import torch
 from .. import atomic
 from ..schema.sections import DataConfig
 from .sources import hub_mixture, mixture_parts, part_name, part_stream
-from .tokens import bos_prefix, tokenize_documents
+from .tokens import bos_prefix, tokenize_documents, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,6 @@ def _measured_lengths(parts: list[dict], wanted: int, tokenizer) -> tuple[list[f
     on disk (`<cache>/data/mixture-lengths-<key>.json`): the main process prepares the data first and measures, the
     other processes and a relaunch read the file instead of re-reading every part's head (python-edu's from S3)."""
     from ..assets import cache_dir
-    from .prepare import tokenizer_fingerprint
 
     prefix = bos_prefix(tokenizer)
     material = {

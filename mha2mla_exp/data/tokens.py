@@ -9,6 +9,10 @@ with its other special tokens (an EOS it appends is the separator's job). Tokeni
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 
 def bos_prefix(tokenizer) -> list[int]:
     """`[bos_token_id]` when the tokenizer puts BOS first on a sequence by default, else `[]`."""
@@ -25,3 +29,15 @@ def tokenize_documents(tokenizer, texts: list[str], prefix: list[int] | None = N
     prefix = bos_prefix(tokenizer) if prefix is None else prefix
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     return [prefix + doc for doc in ids] if prefix else ids
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Name and a hash of the full tokenizer definition (vocab, merges, normaliser), for cache keys."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return {
+        # the folder's last part only: the same tokenizer under another cache root keeps its key
+        "name": Path(str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)).name,
+        "vocab_size": len(tokenizer),
+        "sha256": hashlib.sha256(definition.encode()).hexdigest(),
+    }

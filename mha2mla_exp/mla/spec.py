@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from ..schema.sections import ALLOCATIONS  # noqa: F401  (re-exported: the accepted set, declared with its help)
 from . import nope_keys as nope
 from .families import FAMILIES, norm_groups
 from .lowrank_init import LOWRANK_INITS
@@ -17,9 +18,6 @@ from .rope import ROPE_STRATEGIES
 SVD_VARIANTS = ("joint", "split", "none")
 SCORES = ("product", "sum", "rotation")
 SIGMA_PLACEMENTS = ("up", "sqrt")
-# the latent width: the same in every layer; the same total spread by singular energy (d_kv); or, under a KV
-# budget, the same total spread by the whole model's measured loss (mla/budget.py)
-ALLOCATIONS = ("uniform", "global", "measured")
 # which attention layers a conversion turns into MLA: every one, the full-attention ones, or the sliding-window ones
 CONVERT_LAYERS = ("all", "global", "sliding")
 

@@ -45,6 +45,12 @@ PAPER_LONGBENCH_SUBSETS = (
     "repobench-p",
 )
 EVAL_DTYPES = ("auto", "fastest", "float32", "bfloat16", "float16")
+# the latent's width per layer (svd.allocation; mla/spec.py checks a conversion against these): name -> what it does
+ALLOCATIONS = {
+    "uniform": "the same in every layer",
+    "global": "one total spread over the layers by singular energy (joint)",
+    "measured": "a KV budget's total spread by the whole model's measured loss (svd=kv_budget, mla/budget.py)",
+}
 
 
 # ---- the model ----------------------------------------------------------------------------------------------------
@@ -198,7 +204,11 @@ class SvdConfig:
     d_kv: Optional[int] = setting(None, "latent width (joint) or per-K/V rank (split)", check=positive)
     sigma: str = setting("up", "where singular values go: up | sqrt (split evenly)")
     init: str = setting("weight", "weight (the paper's SVD) | activation-aware inits (mla/lowrank_init)")
-    allocation: str = setting("uniform", "rank per layer: uniform | global (one budget over layers)")
+    allocation: str = setting(
+        "uniform",
+        "the latent's width per layer: " + "; ".join(f"{name}: {meaning}" for name, meaning in ALLOCATIONS.items()),
+        check=one_of(*ALLOCATIONS),
+    )
     kv_elements: Optional[int] = setting(None, "cached elements per token and layer (svd=budget)", check=positive)
     rope_pairs: Optional[int] = setting(None, "rope pairs within kv_elements (null: chosen)", check=non_negative)
     key_weight: Optional[float] = setting(
@@ -421,14 +431,20 @@ class RunConfig:
     seed: int = setting(0, "the fine-tune's data order and init")
     device: str = setting("auto", "auto | cpu | cuda[:i]; resolved at entry")
     kv_measure_tokens: int = setting(512, "prefill length the cache bytes are measured at", check=positive)
+    # not a setting: committed records made before schema version 1 by code that their config does not describe
+    # carry it, and it is part of their identity (their hash), so it stays for them; nothing sets it any more
     legacy_run: Optional[str] = setting(
         None,
-        "set by the schema migration on a run recorded by code whose behaviour its config does not describe: "
-        "its former run hash, which keeps it apart from today's runs (scripts/migrate_records.py)",
+        "a record's marker, not a setting: the former run hash of a record made by code its config does not "
+        "describe (the v1 migration, docs/RUN_RECORD.md), which keeps it apart from today's runs; never set it",
     )
     # observers
     experiment: str = setting(
-        "default", "the results folder runs are recorded under (a plain name)", check=path_segment, observer=True
+        "default",
+        "the folder runs are recorded under (a plain name), set by the experiment launched; `experiment=NAME` "
+        "launches any name a run is recorded under (confutil.launch_arguments)",
+        check=path_segment,
+        observer=True,
     )
     results_dir: str = setting("runs", "where runs are recorded", observer=True)
     logger: LoggerConfig = section(LoggerConfig, "logging", observer=True)
