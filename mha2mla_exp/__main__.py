@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .confutil import CONF_DIR
+from .confutil import CONF_DIR, launch_arguments
 from .runner import ConfigError, run
 
 log = logging.getLogger("mha2mla_exp")
@@ -52,4 +52,8 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    try:
+        sys.argv[1:] = launch_arguments(sys.argv[1:])  # `experiment=NAME` with or without `+`, any recorded name
+    except ValueError as err:
+        raise SystemExit(f"invalid command line: {err}") from None
     sys.exit(main())

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import MissingMandatoryValue, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -35,6 +37,50 @@ if not OmegaConf.has_resolver("mla_slurm_mem_gb"):
         ).slurm_mem_gb_for(model, train, data, int(tasks)),
     )
 register_schema()  # conf/config.yaml composes onto the typed schema (mha2mla_exp/schema)
+
+
+@functools.cache
+def experiment_launches() -> dict[str, tuple[str, ...]]:
+    """Every name a run is recorded under -> the overrides that launch it: each conf/experiment file by its own name,
+    each name a study records under at a budget (its `budget.names`, the one place those names are declared) as
+    that study at that budget, and the schema's default name as no experiment at all."""
+    from .schema.sections import RunConfig
+
+    launches: dict[str, tuple[str, ...]] = {RunConfig.experiment: ()}
+    files = sorted((CONF_DIR / "experiment").glob("*.yaml"))
+    launches.update({path.stem: (f"+experiment={path.stem}",) for path in files})
+    for path in files:
+        names = (yaml.safe_load(path.read_text()).get("budget") or {}).get("names") or {}
+        for budget, name in names.items():
+            if name in launches:
+                raise ValueError(f"conf/experiment: {name!r} names two launches ({path.name} at budget {budget})")
+            launches[name] = (f"+experiment={path.stem}", f"budget={budget}")
+    return launches
+
+
+def launch_arguments(argv: list[str]) -> list[str]:
+    """The command line as Hydra takes it: `experiment=NAME` and `+experiment=NAME` alike, NAME being any name a run
+    is recorded under (`experiment=partial_rope_ablation`: Table 3 at the main budget). conf/config.yaml keeps no
+    `experiment: null` default: Hydra then refuses `+experiment=` ("Multiple values for experiment"), the form
+    every script, record and compose call uses. A sweep over names, or an unknown one, is left to Hydra, which
+    lists the files."""
+    out: list[str] = []
+    for argument in argv:
+        key, _, name = argument.partition("=")
+        if key.lstrip("+") != "experiment" or not name:
+            out.append(argument)
+            continue
+        launch = experiment_launches().get(name, (f"+experiment={name}",))
+        budget = next((a for a in launch if a.startswith("budget=")), None)
+        typed = [a.lstrip("+") for a in argv if a.lstrip("+").startswith("budget=")]
+        if budget and any(a != budget for a in typed):
+            raise ValueError(
+                f"experiment={name} is {launch[0].lstrip('+')} at {budget}; "
+                f"another budget records under another name: {launch[0].lstrip('+')} {typed[-1]}"
+            )
+        out += [a for a in launch if a not in typed]
+    return out
+
 
 T = TypeVar("T")
 

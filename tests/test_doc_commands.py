@@ -314,7 +314,10 @@ class Checker:
         flags = [a for a in args if a.startswith("-") and a not in ("-m", "--multirun")]
         if flags:
             raise CommandFailed(f"Hydra flags this test does not handle: {flags}")
-        overrides = [self._fill(a) for a in args if a not in ("-m", "--multirun")]
+        from mha2mla_exp.confutil import launch_arguments
+
+        # the command line as __main__ hands it to Hydra (`experiment=NAME`, any name a run records under)
+        overrides = launch_arguments([self._fill(a) for a in args if a not in ("-m", "--multirun")])
         for i, override in enumerate(overrides):  # `+cells/x=<cell>`: the reader picks one; check every choice
             key, _, value = override.partition("=")
             if re.fullmatch(r"<[\w-]+>", value):
