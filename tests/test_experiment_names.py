@@ -18,7 +18,8 @@ DOCS = [ROOT / "README.md", ROOT / "results" / "REPORT.md", *sorted((ROOT / "doc
 
 
 def named_in_docs() -> set[str]:
-    return {name for doc in DOCS for name in re.findall(r"experiment=(\w+)", doc.read_text())}
+    # names are lower case: `experiment=NAME` is a placeholder
+    return {name for doc in DOCS for name in re.findall(r"experiment=([a-z0-9_]+)\b", doc.read_text())}
 
 
 def named_by_records() -> set[str]:
