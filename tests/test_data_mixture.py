@@ -220,7 +220,9 @@ def test_the_paper_mixture_opts_in_explicitly_and_its_text_variant_has_the_same_
 
     from tests.test_data import CONF
 
-    full = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"))
+    # the group file as a run composes it: onto the schema's DataConfig (the file holds only what differs from it)
+    full = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(CONF / "data" / "smollm_corpus.yaml"))
+    full = OmegaConf.to_container(full)
     text = OmegaConf.to_container(OmegaConf.load(CONF / "data" / "smollm_corpus_text.yaml"))
     assert full["missing_parts"] == "refuse"  # the paper's mixture; dropping a part is the user's choice
     monkeypatch.setattr(sources, "check_software_heritage_access", no_aws)

@@ -17,7 +17,7 @@ from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.long_context import evaluate_long_context
 from mha2mla_exp.evaluation.longbench import evaluate_longbench
 from mha2mla_exp.mla import convert_to_mla
-from mha2mla_exp.schema.sections import LongBenchConfig, LongContextConfig
+from mha2mla_exp.schema.sections import EvalConfig, LongBenchConfig, LongContextConfig
 
 # a converted tiny model, not fine-tuned (so both launches evaluate the same weights), on passkey generation and
 # long-document perplexity (generate_until and loglikelihood_rolling requests, 9 documents) and an offline
@@ -147,5 +147,7 @@ def test_the_longbench_config_generates_in_batches():
 
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "eval" / "longbench.yaml")
+    # the group file as a run composes it: onto the schema's EvalConfig (the file holds only what differs from it)
+    path = Path(__file__).resolve().parents[1] / "conf" / "eval" / "longbench.yaml"
+    conf = OmegaConf.merge(OmegaConf.structured(EvalConfig), OmegaConf.load(path))
     assert conf.longbench.batch_size > 1 and LongBenchConfig().batch_size > 1
