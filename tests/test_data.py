@@ -543,7 +543,7 @@ def test_model_and_data_configs_compose(model, data, tmp_path, monkeypatch):
     if data == "local_text":
         overrides.append(f"data.paths={tmp_path}")
     if model == "local":  # a folder's facts come from its config.json at validation; here, as a user gives them
-        overrides.append("model.finetune_length=2048")
+        overrides.append("++model.finetune_length=2048")  # ++: the file leaves it to the schema (null)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         config = typed_section(RunConfig, compose(overrides=overrides))
     unnamed = "model.id: source 'local' needs a non-empty id"  # model=local: the user names the folder
