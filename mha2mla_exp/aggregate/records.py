@@ -19,10 +19,9 @@ import pandas as pd
 import yaml
 
 from ..evaluation.samples import SAMPLES_FILE
-from ..schema.sections import PAPER_COMMONSENSE_TASKS, PAPER_LONGBENCH_SUBSETS
+from ..schema.commonsense_suite import paper_columns, task_columns
+from ..schema.sections import PAPER_LONGBENCH_SUBSETS
 
-COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
-COMMONSENSE_PARTS = PAPER_COMMONSENSE_TASKS  # scored
 LONGBENCH = PAPER_LONGBENCH_SUBSETS
 METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
 
@@ -243,7 +242,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
 def eval_docs(record: dict) -> dict[str, int]:
     """Docs scored per score column (commonsense columns, passkey@L)."""
     out = {}
-    for task in COMMONSENSE_PARTS:
+    for task in task_columns():
         n = _as_int(_get(record, f"eval.meta.commonsense.n_docs.{task}"))
         if n:
             out[task] = n
@@ -355,14 +354,8 @@ def canonical_run(record: dict) -> dict:
         "setting": _get(record, "setting_hash", default=f"run:{record.get('run_dir')}"),
         "train_tokens_per_s": _get(record, "train.tokens_per_s"),
     }
-    for task in COMMONSENSE:
-        row[task] = _points(_get(record, f"eval.commonsense.{task}"))
-    if row["arc"] is None:  # the paper's ARC is the mean of Easy and Challenge
-        easy, challenge = (_get(record, f"eval.commonsense.arc_{p}") for p in ("easy", "challenge"))
-        if easy is not None and challenge is not None:
-            row["arc"] = _points((float(easy) + float(challenge)) / 2)
-    for part in ("arc_easy", "arc_challenge"):
-        row[part] = _points(_get(record, f"eval.commonsense.{part}"))
+    for column in dict.fromkeys(paper_columns() + task_columns()):  # the tables' columns, then ARC's parts
+        row[column] = _points(_get(record, f"eval.commonsense.{column}"))
     row["avg"] = _points(_get(record, "eval.commonsense.avg"))
     for key, value in record.items():
         for section in ("longbench", "long_context"):

@@ -7,11 +7,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..schema.commonsense_suite import column_labels
 from .files import write_text
 from .records import recipe_label
 
 CI_NAMES = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}
-TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA", "winogrande": "WG"}
+
+
+def column_label(column: str) -> str:
+    """A score column's heading: the commonsense suite's label, else its name."""
+    return column_labels().get(column, column)
 
 
 def _missing(value) -> bool:
@@ -158,7 +163,7 @@ def task_views(table: pd.DataFrame, tasks: list[str], paper_tasks: bool = True) 
             head["row"] += f", {_kv_cache(row)}"
         score, delta = dict(head), dict(head)
         for task in tasks:
-            name = TASK_NAMES.get(task, task)
+            name = column_label(task)
             paper = row.get(f"{task}_paper") if paper_tasks else None
             score[name] = _num(row.get(task)) + ("" if _missing(paper) else f" / {_num(paper, 2)}")
             delta[name] = _delta(row, task)
@@ -245,7 +250,7 @@ def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFr
                 "verdict": row.get("verdict") or "",
             }
         )
-        per_task.append({"B": row["B"], "A": row["A"]} | {TASK_NAMES.get(t, t): _delta(row, t) for t in tasks})
+        per_task.append({"B": row["B"], "A": row["A"]} | {column_label(t): _delta(row, t) for t in tasks})
     return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
 
 
@@ -259,7 +264,7 @@ def dtype_view(check: pd.DataFrame, tasks: list[str]) -> pd.DataFrame:
             "dtype vs FP32": row["dtype"],
             "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)",
         }
-        line |= {TASK_NAMES.get(t, t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
+        line |= {column_label(t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
         line |= {
             "Avg FP32": _num(row["avg FP32"]),
             "Avg": _num(row["avg"]),
