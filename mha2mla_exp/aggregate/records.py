@@ -20,7 +20,7 @@ import yaml
 
 from ..evaluation.samples import SAMPLES_FILE
 from ..schema.commonsense_suite import paper_columns, task_columns
-from ..schema.sections import PAPER_LONGBENCH_SUBSETS
+from ..schema.sections import PAPER_LONGBENCH_SUBSETS, RopeConfig, SvdConfig
 
 LONGBENCH = PAPER_LONGBENCH_SUBSETS
 METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
@@ -58,8 +58,18 @@ BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")  # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
 UNQUANTIZED = "unquantized"
-# MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
-DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform", "nope_keys": "plain"}
+# the conversion options a run is labelled with when it changes one (mla.<name> in its record), at the schema's
+# defaults: the values the paper's tables used
+DEFAULT_OPTIONS = {
+    name: getattr(section(), name)
+    for name, section in (
+        ("score", RopeConfig),
+        ("sigma", SvdConfig),
+        ("init", SvdConfig),
+        ("allocation", SvdConfig),
+        ("nope_keys", RopeConfig),
+    )
+}
 # the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
 # a run that changes one is labelled with it
 DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4, "precision": "bf16-autocast"}
