@@ -232,7 +232,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
     if suite == "commonsense" and _get(record, "eval.commonsense.avg", "eval.commonsense.mmlu") is not None:
         offline = "offline" if str(_get(record, meta + "source", default="offline")).startswith("offline") else "online"
         return (
-            f"limit={_get(record, meta + 'limit', 'eval.commonsense.limit')} "
+            f"limit={_get(record, 'eval.commonsense.limit')} "
             f"mmlu_limit={_get(record, meta + 'mmlu_limit')} {_get(record, meta + 'sample')} "
             f"seed={_get(record, meta + 'seed')} {offline}"
         )
@@ -243,7 +243,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
         )
     if suite == "longbench" and _get(record, "eval.longbench.avg") is not None:
         return (
-            f"longbench limit={_get(record, 'eval.longbench.limit', meta + 'limit')} "
+            f"longbench limit={_get(record, 'eval.longbench.limit')} "
             f"{_get(record, meta + 'sample')} seed={_get(record, meta + 'seed')}"
         )
     return None
@@ -276,22 +276,14 @@ def method_of(variant, rope, svd, trained: bool) -> str:
 
 def canonical_run(record: dict) -> dict:
     """One flat record -> the fields the tables and plots compare on (scores in points)."""
-    model_name = _get(record, "model.name", "config.model.name")
-    paper_model = _get(record, "config.model.paper_name", "model.paper_name", default=model_name)
+    model_name = _get(record, "model.name")
+    paper_model = _get(record, "config.model.paper_name", default=model_name)
     rope = _get(record, "mla.rope")
     svd = _get(record, "mla.svd")
     train_tokens = _get(record, "train.tokens")
     method = method_of(_get(record, "variant"), rope, svd, trained=bool(train_tokens))
     full_model = method in ("original", "finetuned_full_attention")
-    head_dim = _as_int(
-        _get(
-            record,
-            "config.model.shape.head_dim",
-            "config.model.head_dim",
-            "model.head_dim",
-            default=PAPER_HEAD_DIM.get(paper_model),
-        )
-    )
+    head_dim = _as_int(_get(record, "config.model.shape.head_dim", default=PAPER_HEAD_DIM.get(paper_model)))
     kv_quant = precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits"))
     run_dir = record.get("run_dir")
     samples = Path(run_dir) / SAMPLES_FILE if run_dir else None
@@ -322,7 +314,7 @@ def canonical_run(record: dict) -> dict:
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
-        "kv_dtype": dtype_label(_get(record, "kv.dtype", "eval.kv_cache.dtype")),
+        "kv_dtype": dtype_label(_get(record, "kv.dtype")),
         # the cache of the evaluation's generation tasks where there were any (long prompts), else the
         # runner's one-prefill measurement
         "kv_bytes_per_token": _get(record, "eval.kv_cache.bytes_per_token_measured", "kv.bytes_per_token_measured"),
@@ -333,8 +325,7 @@ def canonical_run(record: dict) -> dict:
         "eval_sample_commonsense": eval_sample(record, "commonsense"),
         "eval_sample_long_context": eval_sample(record, "long_context"),
         "eval_sample_longbench": eval_sample(record, "longbench"),
-        # the dtype the lm-eval suites ran in; records before eval.dtype existed ran in the model's (kv.dtype)
-        "eval_dtype": dtype_label(_get(record, "eval.meta.dtype", "kv.dtype")),
+        "eval_dtype": dtype_label(_get(record, "eval.meta.dtype")),  # the dtype the lm-eval suites ran in
         "eval_docs": eval_docs(record) or None,
         "eval_limit": _get(record, "eval.commonsense.limit"),
         "samples_file": str(samples) if samples is not None and samples.is_file() else None,
@@ -351,9 +342,8 @@ def canonical_run(record: dict) -> dict:
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),
         "train_s": _get(record, "timings.train_s"),
-        # how the fine-tune recovered it (the recovery study's axes); records from before objectives existed
-        # all fine-tuned on cross-entropy
-        "objective": _get(record, "train.objective", "config.objective.name", default="ce") if train_tokens else None,
+        # how the fine-tune recovered it (the recovery study's axes)
+        "objective": _get(record, "train.objective") if train_tokens else None,
         "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
         if train_tokens
         else None,
