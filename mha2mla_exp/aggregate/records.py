@@ -30,7 +30,7 @@ METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope
 PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
 
 # A table row is a (configuration, budget, evaluation sample) triple, named by these keys. Runs of one row are
-# the seeds of one setting (`setting`: the run identity but its seed, runner/identity.setting_identity), so two
+# the seeds of one setting (`setting`: the run identity but its seed, schema/identity.setting_identity), so two
 # runs that differ in anything that changes numbers are two rows even where these names coincide.
 CONFIG_KEYS = (
     "model",
@@ -350,7 +350,7 @@ def canonical_run(record: dict) -> dict:
         "lr": _as_float(_get(record, "config.train.lr")) if train_tokens else None,
         "warmup": _as_int(_get(record, "config.train.warmup_steps")) if train_tokens else None,
         "precision": _get(record, "train.precision.mode"),
-        # the run identity but its seed; a record the current code cannot re-plan stands alone (runner/backfill)
+        # the run identity but its seed; a record without one stands alone
         "setting": _get(record, "setting_hash", default=f"run:{record.get('run_dir')}"),
         "train_tokens_per_s": _get(record, "train.tokens_per_s"),
     }

@@ -210,22 +210,9 @@ def views_text(views: dict[str, pd.DataFrame], title: str = "", note: str = "") 
     return markdown, latex
 
 
-def write_views(
-    out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "", note: str = ""
-) -> list[Path]:
-    """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
-    markdown, latex = views_text(views, title, note)
-    return [write_text(Path(out_dir) / f"{name}.md", markdown), write_text(Path(out_dir) / f"{name}.tex", latex)]
-
-
 def write_csv(table: pd.DataFrame, path: Path) -> Path:
     """The full frame as CSV (no index)."""
     return write_text(path, table.to_csv(index=False))
-
-
-def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", note: str = "") -> list[Path]:
-    """`name`.csv, `name`.md and `name`.tex under `out_dir` showing `table` as it is."""
-    return [write_csv(table, Path(out_dir) / f"{name}.csv")] + write_views(out_dir, name, {"": table}, title, note)
 
 
 def perplexity_pairs_view(pairs: pd.DataFrame) -> pd.DataFrame:
