@@ -245,7 +245,7 @@ def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=5
                     "seed": 1234,
                     "source": "offline: ...",
                     "n_docs": {c: n for c in columns},
-                }
+                },
             },
         }
         | extra,
@@ -349,7 +349,7 @@ def _passkey_record(method, kv_quant=None, correct=None, tokens=0, grouping=None
             "kv_cache": {"bytes_per_token_measured": 1000.0 if quant else None},
             "meta": {
                 "dtype": "float32",
-                "long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2, "seed": 1234}
+                "long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2, "seed": 1234},
             },
         },
     }
