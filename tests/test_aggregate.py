@@ -644,6 +644,7 @@ def test_wandb_runs_join_the_tables():
         "status": "ok",
         "kv/mem_change_pct": -68.75,
         "train/tokens": 500000,
+        "train/objective": "ce",
         "eval/commonsense/avg": 0.42,
         "eval/commonsense/mmlu": 0.3,
         "eval/commonsense/limit": 200,
