@@ -233,10 +233,11 @@ def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=5
         "mla": mla,
         "kv_quant": None,
         "kv": {"mem_change_pct": {8: -87.5, 16: -81.25, 32: -68.75}[d_kv] if mla else 0.0, "dtype": "float32"},
-        "train": {"tokens": tokens} if tokens else None,
+        "train": {"tokens": tokens, "objective": "ce"} if tokens else None,
         "eval": {
             "commonsense": scores,
             "meta": {
+                "dtype": "float32",
                 "commonsense": {
                     "limit": limit,
                     "mmlu_limit": 1,
@@ -244,7 +245,7 @@ def _record(method="mla", tokens=32768, seed=0, limit=50, d_kv=16, avg=0.30, n=5
                     "seed": 1234,
                     "source": "offline: ...",
                     "n_docs": {c: n for c in columns},
-                }
+                },
             },
         }
         | extra,
@@ -342,12 +343,13 @@ def _passkey_record(method, kv_quant=None, correct=None, tokens=0, grouping=None
         "mla": {"rope": "2-norm", "r": 4, "svd": "joint", "d_kv": 16} if method == "mla" else None,
         "kv_quant": quant,
         "kv": {"mem_change_pct": 0.0, "dtype": "float32", "bytes_per_token_measured": 46080},
-        "train": {"tokens": tokens} if tokens else None,
+        "train": {"tokens": tokens, "objective": "ce"} if tokens else None,
         "eval": {
             "long_context": scores,
             "kv_cache": {"bytes_per_token_measured": 1000.0 if quant else None},
             "meta": {
-                "long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2, "seed": 1234}
+                "dtype": "float32",
+                "long_context": {"lengths": lengths, "depths": [0.0, 0.5, 1.0], "samples_per_depth": 2, "seed": 1234},
             },
         },
     }
@@ -642,6 +644,7 @@ def test_wandb_runs_join_the_tables():
         "status": "ok",
         "kv/mem_change_pct": -68.75,
         "train/tokens": 500000,
+        "train/objective": "ce",
         "eval/commonsense/avg": 0.42,
         "eval/commonsense/mmlu": 0.3,
         "eval/commonsense/limit": 200,
@@ -934,7 +937,7 @@ def test_zero_shot_table_orders_by_kv_memory_and_divides_by_the_original(tmp_pat
             "mla": mla,
             "kv_quant": None,
             "kv": {"mem_change_pct": kv, "dtype": "float32"},
-            "train": {"tokens": tokens} if tokens else None,
+            "train": {"tokens": tokens, "objective": "ce"} if tokens else None,
             "eval": {"perplexity": {"heldout": ppl}},
         }
         _write(tmp_path, name, record)

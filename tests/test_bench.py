@@ -101,3 +101,26 @@ def test_capacity_from_budget():
     assert decode.capacity_tokens(weights=1000, kv_bytes_per_token=10.0, budget=2000) == 100
     assert decode.capacity_tokens(weights=3000, kv_bytes_per_token=10.0, budget=2000) == 0
     assert decode.fits(1000, 10.0, 4, 10, budget=2000) and not decode.fits(1000, 10.0, 5, 10, budget=2000)
+
+
+@pytest.mark.parametrize("convert_layers", ["all", "global"])
+def test_decode_is_timed_on_a_windowed_model_past_its_window_with_the_windowed_cache(convert_layers):
+    """A Gemma-3-like model (sliding window 16) at a context past the window: the filled cache holds what the
+    formula says (windows counted, unconverted layers as keys and values), and the timed steps run on it (a full
+    sliding layer cannot be rolled back after each step unless it records the past)."""
+    import torch
+
+    from mha2mla_exp.bench.family_models import tiny_family_lm
+    from mha2mla_exp.mla import MLASpec, ModelShape, attention_windows, cache_elements_per_sequence, convert_to_mla
+
+    original = tiny_family_lm("gemma3_text", sliding_window=16, max_position_embeddings=512)
+    mla = convert_to_mla(original, rope="high", r=2, svd="joint", d_kv=6, convert_layers=convert_layers)
+    shape, windows = ModelShape.from_config(original.config), attention_windows(original.config)
+    context, cpu = 48, torch.device("cpu")
+    for variant, spec in (
+        (decode.Variant("mha", original), None),
+        (decode.Variant("mla_absorbed", mla, absorb=True), MLASpec.recorded(mla.config.mla)),
+    ):
+        row = decode.time_decode(variant, 2, context, cpu, torch.float32, warmup=1, repeats=2)
+        assert row["cache_bytes"] == 2 * 4 * cache_elements_per_sequence(shape, windows, context, spec)["total"]
+        assert row["step_s_median"] > 0

@@ -25,8 +25,6 @@ RESTATED_ON_PURPOSE = {
     ("budget/cpu.yaml", "calibration.num_sequences"): "the CPU budget's 32 whatever calibration group (paper: 1,024)",
     ("budget/cpu10x.yaml", "calibration.num_sequences"): "as budget/cpu.yaml",
 }
-# the commonsense `tasks:` lists of conf/eval: their own change (one declaration of the suite) removes them
-PENDING = {(f"eval/{p.name}", "commonsense.tasks") for p in (CONF / "eval").glob("*.yaml")}
 
 
 def section_files() -> list[Path]:
@@ -76,7 +74,7 @@ def restated_in(path: Path) -> list[str]:
 
 def test_no_group_yaml_restates_a_schema_default():
     found = {(str(p.relative_to(CONF)), key) for p in section_files() for key in restated_in(p)}
-    unexplained = sorted(found - set(RESTATED_ON_PURPOSE) - PENDING)
+    unexplained = sorted(found - set(RESTATED_ON_PURPOSE))
     assert not unexplained, "restates the schema's default (delete the key, or say why it must stay): " + ", ".join(
         f"{file}: {key}" for file, key in unexplained
     )

@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from mha2mla_exp.confutil import typed_section
-from mha2mla_exp.evaluation.commonsense import COLUMNS, aggregate, evaluate_commonsense, task_names
+from mha2mla_exp.evaluation.commonsense import MMLU, aggregate, evaluate_commonsense, task_names
 from mha2mla_exp.evaluation.fixtures import commonsense_tree
 from mha2mla_exp.evaluation.lm import EvalLM
 from mha2mla_exp.evaluation.run import check_eval_config
 from mha2mla_exp.evaluation.tasks import sample_indices
+from mha2mla_exp.schema.commonsense_suite import suite
 from mha2mla_exp.schema.sections import CommonsenseConfig, EvalConfig, ModelConfig
 
 SUBJECTS = ("anatomy", "astronomy")
+COLUMNS = {c: row for c, row in suite().items() if c != MMLU}  # one lm-eval task each
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,13 +89,13 @@ def test_matches_lm_eval_command_line(tiny, data_root, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.load(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)[0]))["results"]
 
-    for col, (task, _, metric, _) in COLUMNS.items():
-        assert ours[col] == pytest.approx(result[f"offline_{task}"][f"{metric},none"], abs=1e-12), col
+    for col, row in COLUMNS.items():
+        assert ours[col] == pytest.approx(result[f"offline_{row.task}"][f"{row.metric},none"], abs=1e-12), col
     assert ours["mmlu"] == pytest.approx(result["offline_mmlu_continuation"]["acc_norm,none"], abs=1e-12)
     # and what the command prints: its table rounds to 4 decimals
     printed = _printed_table(proc.stdout)  # the command's table shows 2 decimals
-    for col, (task, _, metric, _) in COLUMNS.items():
-        assert ours[col] == pytest.approx(printed[f"offline_{task}", metric], abs=0.005 + 1e-9), col
+    for col, row in COLUMNS.items():
+        assert ours[col] == pytest.approx(printed[f"offline_{row.task}", row.metric], abs=0.005 + 1e-9), col
     assert ours["mmlu"] == pytest.approx(printed["offline_mmlu_continuation", "acc_norm"], abs=0.005 + 1e-9)
     assert ours["arc"] == pytest.approx((ours["arc_easy"] + ours["arc_challenge"]) / 2)
     six = [ours[c] for c in ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")]

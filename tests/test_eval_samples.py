@@ -9,15 +9,17 @@ import pytest
 import torch
 
 from mha2mla_exp.confutil import typed_section
-from mha2mla_exp.evaluation.commonsense import COLUMNS
+from mha2mla_exp.evaluation.commonsense import MMLU
 from mha2mla_exp.evaluation.fixtures import commonsense_tree
 from mha2mla_exp.evaluation.perplexity import perplexity
 from mha2mla_exp.evaluation.run import run_evaluation, suites_dtype
 from mha2mla_exp.evaluation.samples import read_samples, samples_frame, write_samples
 from mha2mla_exp.evaluation.tasks import sample_indices
+from mha2mla_exp.schema.commonsense_suite import suite
 from mha2mla_exp.schema.sections import EvalConfig
 
 SUBJECTS = ("anatomy", "astronomy")
+COLUMNS = [c for c in suite() if c != MMLU]  # one lm-eval task each
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +89,8 @@ def test_run_writes_one_row_per_evaluated_doc_and_they_give_the_scores(tiny, dat
     piqa = frame[frame["column"] == "piqa"]
     assert sorted(piqa["doc_id"]) == sample_indices(12, 8, "random", 3)
     # each score is the mean of its per-doc metric (MMLU: over all its subjects' docs, size-weighted)
-    for column, (_, _, metric, _) in COLUMNS.items():
+    for column in COLUMNS:
+        metric = suite()[column].metric
         assert frame.loc[frame["column"] == column, metric].mean() == pytest.approx(out["commonsense"][column])
     assert frame.loc[frame["column"] == "mmlu", "acc_norm"].mean() == pytest.approx(out["commonsense"]["mmlu"])
     # the raw outputs explain the metrics: acc is argmax ll == target, acc_norm the length-normalised one

@@ -220,7 +220,7 @@ def moved(record: dict, row: dict) -> set[str]:
 def test_every_committed_record_is_a_row_of_todays_experiments(conf):
     """What a relaunch would make again: each committed record's config equals one row's on every number-changing
     key. Left out: runs of `default` (no experiment) and `legacy_run` records (made by code whose behaviour their
-    config does not describe: scripts/migrate_records.py; no row of today makes them, by construction)."""
+    config does not describe, marked by issue 45's one-off migration; no row of today makes them, by construction)."""
     by_name = {name: key for key, name in CATALOGUE.items()}
     rows: dict = {}
     checked, excepted, failures = 0, {}, []

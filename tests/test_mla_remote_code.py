@@ -87,10 +87,11 @@ def test_lm_eval_hf_runs_on_the_saved_folder_without_the_package(tiny, tmp_path,
 def lm_eval_matches_ours(mla, tokenizer, tmp_path: Path) -> None:
     """lm-eval's `--model hf` on the saved folder, in an interpreter without this package, scores two offline
     tasks exactly as our own evaluation of `mla` does."""
-    from mha2mla_exp.evaluation.commonsense import COLUMNS, CommonsenseConfig, evaluate_commonsense, task_names
+    from mha2mla_exp.evaluation.commonsense import CommonsenseConfig, evaluate_commonsense, task_names
     from mha2mla_exp.evaluation.fixtures import commonsense_tree
     from mha2mla_exp.evaluation.lm import EvalLM
     from mha2mla_exp.evaluation.tasks import sample_indices
+    from mha2mla_exp.schema.commonsense_suite import suite
 
     cfg = CommonsenseConfig(
         limit=6,
@@ -142,7 +143,7 @@ def lm_eval_matches_ours(mla, tokenizer, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     for column in cfg.tasks:
-        task, _, metric, _ = COLUMNS[column]
+        task, metric = suite()[column].task, suite()[column].metric
         assert results[f"offline_{task}"][f"{metric},none"] == pytest.approx(ours[column], abs=1e-12), column
 
 

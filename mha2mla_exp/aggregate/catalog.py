@@ -25,7 +25,7 @@ from .kinds import (
     ReferenceConverter,
     ZeroShot,
 )
-from .records import COMMONSENSE, LONGBENCH
+from .records import LONGBENCH
 from .table_registry import FigureSpec, register
 from .tables import TableSpec, select_table1, select_table2, select_table3, select_table5
 
@@ -43,7 +43,7 @@ register(
         name="table1",
         caption="Table 1: commonsense reasoning, original / full-attention FT / MLA at three d_kv",
         note="MLA rows: 2-norm partial RoPE, r = d_h/16, joint SVD. " + BASELINE_NOTE,
-        spec=TableSpec("commonsense", select_table1, "avg", COMMONSENSE, paper_table=1, with_kv_memory=True),
+        spec=TableSpec("commonsense", select_table1, "avg", paper_table=1, with_kv_memory=True),
         plot=FigureSpec(
             "kv_memory_vs_avg",
             "What does each KV-cache saving cost in commonsense points, ours against the paper? Per fine-tune budget "
@@ -77,7 +77,7 @@ register(
         name="table3",
         caption="Table 3: partial-RoPE strategies, without and with SVD (joint vs split)",
         note="r = d_h/16; SVD rows at d_kv = d_h/4. " + BASELINE_NOTE,
-        spec=TableSpec("commonsense", select_table3, "avg", COMMONSENSE, paper_table=3),
+        spec=TableSpec("commonsense", select_table3, "avg", paper_table=3),
         plot=FigureSpec(
             "strategy_comparison",
             "Which partial-RoPE strategy keeps most, with and without SVD? Table 3's bars, ours beside the paper's "
@@ -92,7 +92,7 @@ register(
         name="table5",
         caption="Table 5: partial-RoPE strategies by r",
         note="No SVD. The full row (r = d_h/2) is the fine-tuned full-attention model. " + BASELINE_NOTE,
-        spec=TableSpec("commonsense", select_table5, "avg", COMMONSENSE, paper_table=5),
+        spec=TableSpec("commonsense", select_table5, "avg", paper_table=5),
     )
 )
 

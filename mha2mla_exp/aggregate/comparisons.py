@@ -13,13 +13,14 @@ import itertools
 import numpy as np
 import pandas as pd
 
+from ..schema.commonsense_suite import paper_columns
 from . import paired
-from .records import COMMONSENSE, METHODS, ROW_KEYS
+from .records import METHODS, ROW_KEYS
 from .render import eval_docs_label, row_label
 from .tables import TableSpec, _key, _samples, delta, row_cells, rows_of_ours
 
 _ALL = {
-    suite: TableSpec(suite, lambda frame: pd.Series(True, index=frame.index), "avg", COMMONSENSE)
+    suite: TableSpec(suite, lambda frame: pd.Series(True, index=frame.index), "avg")
     for suite in ("commonsense", "long_context")
 }
 
@@ -49,7 +50,7 @@ def pairwise(runs: pd.DataFrame, experiment: str, suite: str = "commonsense") ->
         if not same_docs(a, b):
             continue
         diff = delta(b, a)
-        tasks = COMMONSENSE if suite == "commonsense" else list(b.spec.metric)
+        tasks = paper_columns() if suite == "commonsense" else list(b.spec.metric)
         cells = row_cells(b, diff, _ALL[suite].score, tasks)
         records.append(
             {
@@ -114,6 +115,8 @@ def dtype_check(runs: pd.DataFrame) -> pd.DataFrame:
                 if column != "all":
                     record[f"{column} same %"] = 100 * same / n
             record |= {"avg FP32": reference.scores["avg"], "avg": other.scores["avg"]}
-            record |= {k: v for k, v in row_cells(other, diff, "avg", COMMONSENSE).items() if k.startswith("avg_delta")}
+            record |= {
+                k: v for k, v in row_cells(other, diff, "avg", paper_columns()).items() if k.startswith("avg_delta")
+            }
             records.append(record)
     return pd.DataFrame.from_records(records)

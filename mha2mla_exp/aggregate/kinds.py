@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from ..schema.commonsense_suite import paper_columns, task_columns
 from . import comparisons, plots
 from .perplexity_pairs import perplexity_pairs, perplexity_view
-from .records import COMMONSENSE, COMMONSENSE_PARTS, results_root
+from .records import results_root
 from .recovery_study import recovery_grid, recovery_interactions, recovery_matrix, recovery_table, scored_rows
 from .render import dtype_view, main_view, pairwise_views, perplexity_pairs_view, task_views
 from .table_registry import Artifact, Entry, FigureSpec, Inputs, PlotFiles, TableFiles
@@ -62,9 +63,7 @@ class PaperTable(Entry):
             else " No run records were found: our columns are empty."
         )
         commonsense = spec.suite == "commonsense"
-        scores, deltas = task_views(
-            table, list(spec.paper_tasks) if commonsense else _passkey_columns(table), commonsense
-        )
+        scores, deltas = task_views(table, list(spec.tasks) if commonsense else _passkey_columns(table), commonsense)
         out = [
             TableFiles(
                 self.name, {"": main_view(table, spec.by_precision, spec.with_kv_memory)}, self.caption, note, csv=table
@@ -103,7 +102,7 @@ class Pairwise(Entry):
         pairs = comparisons.pairwise(inputs.runs, self.experiment, self.suite)
         if not len(pairs):
             return []
-        tasks = list(COMMONSENSE) if self.suite == "commonsense" else _passkey_columns(pairs)
+        tasks = list(paper_columns()) if self.suite == "commonsense" else _passkey_columns(pairs)
         out: list[Artifact] = [TableFiles(self.name, pairwise_views(pairs, tasks), self.caption, self.note, csv=pairs)]
         if self.against is not None:
             experiment, reference = self.experiment, self.against
@@ -307,7 +306,7 @@ class DtypeCheck(Entry):
         if not len(check):
             return []
         return [
-            TableFiles(self.name, {"": dtype_view(check, list(COMMONSENSE_PARTS))}, self.caption, self.note, csv=check)
+            TableFiles(self.name, {"": dtype_view(check, list(task_columns()))}, self.caption, self.note, csv=check)
         ]
 
 

@@ -28,21 +28,11 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
+from ..schema.commonsense_suite import avg_weights, paper_parts, suite
+
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 N_BOOTSTRAP = 4000
 BOOTSTRAP_SEED = 20250220
-
-# column -> {record column: weight}; the paper's Avg and its ARC
-COMMONSENSE_WEIGHTS = {
-    "mmlu": 1 / 6,
-    "arc_easy": 1 / 12,
-    "arc_challenge": 1 / 12,
-    "piqa": 1 / 6,
-    "hellaswag": 1 / 6,
-    "openbookqa": 1 / 6,
-    "winogrande": 1 / 6,
-}
-DERIVED = {"arc": {"arc_easy": 0.5, "arc_challenge": 0.5}}
 
 
 @dataclass(frozen=True)
@@ -63,13 +53,10 @@ class ScoreSpec:
 
 
 def commonsense_spec(columns: Sequence[str] | None = None) -> ScoreSpec:
-    """The paper's commonsense Avg (acc_norm; Winogrande acc)."""
-    from ..evaluation.commonsense import COLUMNS, MMLU_METRIC
-
-    metric = {"mmlu": MMLU_METRIC, **{c: spec[2] for c, spec in COLUMNS.items()}}
-    if columns is not None:
-        metric = {c: m for c, m in metric.items() if c in columns}
-    return ScoreSpec(metric=metric, weights=COMMONSENSE_WEIGHTS, derived=DERIVED)
+    """The commonsense suite's Avg and its columns of several tasks (ARC), by the suite's metrics and weights
+    (schema/commonsense_suite.py)."""
+    metric = {c: row.metric for c, row in suite().items() if columns is None or c in columns}
+    return ScoreSpec(metric=metric, weights=avg_weights(), derived=paper_parts())
 
 
 def mean_spec(columns: Sequence[str], metric: str = "acc") -> ScoreSpec:

