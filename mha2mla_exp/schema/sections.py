@@ -209,12 +209,12 @@ class SvdConfig:
         "the latent's width per layer: " + "; ".join(f"{name}: {meaning}" for name, meaning in ALLOCATIONS.items()),
         check=one_of(*ALLOCATIONS),
     )
-    kv_elements: Optional[int] = setting(None, "cached elements per token and layer (svd=budget)", check=positive)
+    kv_elements: Optional[int] = setting(None, "cached elements per token and layer (svd=kv_budget)", check=positive)
     rope_pairs: Optional[int] = setting(None, "rope pairs within kv_elements (null: chosen)", check=non_negative)
     key_weight: Optional[float] = setting(
         1.0, "joint fit: weight of the NoPE-key error (null: searched)", check=positive
     )
-    selection: Optional[SelectionConfig] = setting(None, "svd=budget: the sample its choice is scored on")
+    selection: Optional[SelectionConfig] = setting(None, "svd=kv_budget: the sample its choice is scored on")
     convert_layers: str = setting(
         "all",
         "which attention layers become MLA: all | global (full-attention only; sliding-window layers keep their "
