@@ -31,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mha2mla_exp.runner.config import describe, validate
+from mha2mla_exp.runner.config import run_config, validate
 from mha2mla_exp.runner.record import write_json_atomic
 from mha2mla_exp.schema.sections import RunConfig
 
@@ -66,8 +66,8 @@ def plan_record(results: Path) -> dict:
     config = results.parent / "config.yaml"
     cfg = OmegaConf.load(config) if "migrated_from" in record else migrated_config(config, record)
     plan = replan(cfg, record)
-    done = record["config_hash"] == plan.run_hash and record.get("setting_hash") == plan.setting_hash
-    return {"results": results, "record": record, "plan": plan, "name": describe(plan), "done": done}
+    done = record["config_hash"] == plan.identity.run_hash and record.get("setting_hash") == plan.identity.setting_hash
+    return {"results": results, "record": record, "plan": plan, "name": plan.identity.name, "done": done}
 
 
 def replan(cfg, record: dict):
@@ -75,7 +75,7 @@ def replan(cfg, record: dict):
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(record.get("machine", {}).get("processes") or 1)
     try:
-        return validate(cfg, bf16_pays=_no_probe)
+        return validate(run_config(cfg), bf16_pays=_no_probe)
     finally:
         os.environ.pop("WORLD_SIZE") if saved is None else os.environ.__setitem__("WORLD_SIZE", saved)
 
@@ -87,7 +87,7 @@ def same_partition(items: list[dict]) -> list[str]:
     for item in items:
         run = str(item["results"].parent)
         old[item["record"].get("setting_hash") or f"run:{item['record']['config_hash']}"].add(run)
-        new[item["plan"].setting_hash].add(run)
+        new[item["plan"].identity.setting_hash].add(run)
     old_groups, new_groups = {frozenset(g) for g in old.values()}, {frozenset(g) for g in new.values()}
     return [f"now grouped: {sorted(g)}" for g in new_groups - old_groups]
 
@@ -101,12 +101,12 @@ def migrate(item: dict) -> tuple[Path, Path]:
         {k: record.get(k) for k in ("config_hash", "trained_hash", "eval_hash", "setting_hash") if record.get(k)},
     )
     record.update(
-        config_hash=plan.run_hash,
-        trained_hash=plan.trained_hash,
-        eval_hash=plan.eval_hash,
-        setting_hash=plan.setting_hash,
+        config_hash=plan.identity.run_hash,
+        trained_hash=plan.identity.trained_hash,
+        eval_hash=plan.identity.eval_hash,
+        setting_hash=plan.identity.setting_hash,
     )
-    target = folder.with_name(f"{item['name']}-{plan.run_hash}")
+    target = folder.with_name(f"{item['name']}-{plan.identity.run_hash}")
     record["run_name"] = target.name
     if record.get("run_dir"):
         record["run_dir"] = str(Path(record["run_dir"]).with_name(target.name))
