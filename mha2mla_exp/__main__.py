@@ -12,7 +12,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .confutil import CONF_DIR, launch_arguments
-from .runner import ConfigError, run
+from .runner import ConfigError, run, run_config
 
 log = logging.getLogger("mha2mla_exp")
 
@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> dict:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-checkpoint INFO lines drown the progress
     export_submitit_distributed_env()
     try:
-        record = run(cfg)
+        record = run(run_config(cfg))  # the composed config becomes the typed RunConfig here, once
     except ConfigError as err:
         log.error("invalid config: %s", err)
         if sweeping:

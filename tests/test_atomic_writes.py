@@ -89,8 +89,8 @@ def test_an_unchanged_aggregate_output_is_left_untouched(tmp_path):
 RUN_ONE = """
 import json, sys
 from tests.test_runner import smoke_cfg
-from mha2mla_exp.runner import run, run_dir_for, trained_model_for, validate
-cfg = smoke_cfg(sys.argv[1], "mla_2-norm_joint", "train.tokens=2048", "train.log_every=1")
+from mha2mla_exp.runner import run, run_config, run_dir_for, trained_model_for, validate
+cfg = run_config(smoke_cfg(sys.argv[1], "mla_2-norm_joint", "train.tokens=2048", "train.log_every=1"))
 assert run(cfg)["status"] == "ok"
 print(json.dumps({"run": str(run_dir_for(validate(cfg))), "trained": str(trained_model_for(validate(cfg)).dir)}))
 """

@@ -10,8 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mha2mla_exp.runner import ConfigError, plan_run, validate
-from mha2mla_exp.runner.config import describe
+from mha2mla_exp.runner import ConfigError, plan_run, run_config, validate
 from tests.compositions import catalogue, expand
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -68,10 +67,10 @@ def test_every_experiment_and_row_composes_and_validates(name, budget, aws_acces
     cells = [compose_cfg(job + offline_longbench(compose_cfg(job), tmp_path)) for job in jobs]
     for bf16_fast in (True, False):
         pinned = lambda *_, fast=bf16_fast: (fast, "pinned by the test")  # noqa: E731
-        plans = [plan_run(cell, one_process, bf16_pays=pinned) for cell in cells]
+        plans = [plan_run(run_config(cell), one_process, bf16_pays=pinned) for cell in cells]
         # two rows may be one run on a machine (a row pinning bf16-autocast, another leaving `auto` to choose it):
         # then they share a name and a hash, and a sweep makes it once; two different runs never share a name
-        named = {(describe(plan), plan.run_hash) for plan in plans}
+        named = {(plan.identity.name, plan.identity.run_hash) for plan in plans}
         assert len({name for name, _ in named}) == len(named), f"two runs share a name (bf16 pays: {bf16_fast})"
 
 
@@ -85,9 +84,11 @@ def rows_of(*launched: str) -> list:
 def test_table3_is_paper_table_3():
     rows = set()
     for cfg in rows_of("+experiment=table3"):
-        plan = validate(cfg)
-        spec = plan.spec
-        rows.add((plan.table_variant, spec and spec.rope, spec and spec.r, spec and spec.svd, spec and spec.d_kv))
+        plan = validate(run_config(cfg))
+        spec = plan.conversion.spec
+        rows.add(
+            (plan.conversion.table_variant, spec and spec.rope, spec and spec.r, spec and spec.svd, spec and spec.d_kv)
+        )
     assert rows == {
         ("finetuned_full_attention", None, None, None, None),
         *{("partial_rope", s, 4, "none", None) for s in ("high", "low", "uniform", "2-norm", "rorope")},
@@ -100,10 +101,10 @@ def test_table1_uses_each_models_three_d_kv():
     for model, expected in (("smollm2_135m", {32, 16, 8}), ("llama2_7b", {64, 32, 16})):
         d_kvs = set()
         for cfg in rows_of("+experiment=table1", f"model={model}"):
-            plan = validate(cfg)
-            if plan.spec:
-                d_kvs.add(plan.spec.d_kv)
-                assert plan.spec.r == cfg.model.shape.head_dim // 16
+            plan = validate(run_config(cfg))
+            if plan.conversion.spec:
+                d_kvs.add(plan.conversion.spec.d_kv)
+                assert plan.conversion.spec.r == cfg.model.shape.head_dim // 16
         assert d_kvs == expected, model
 
 
@@ -139,7 +140,7 @@ def test_table1_uses_each_models_three_d_kv():
 def test_bad_configs_fail_before_loading_with_the_field_named(overrides, field):
     cfg = compose_cfg(overrides)
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        validate(run_config(cfg))
     assert str(err.value).startswith(field), str(err.value)
 
 
@@ -180,7 +181,7 @@ def test_paper_sweeps_pair_each_model_with_its_budget_length_and_calibration(scr
         assert cfg.train.tokens == steps * batch * length, model
         assert cfg.train.micro_batch_size * cfg.train.grad_accum == batch == cfg.train.global_batch_rows, model
         assert (cfg.calibration.num_sequences, cfg.calibration.seq_len) == (1024, length), model
-        validate(cfg)
+        validate(run_config(cfg))
 
 
 def test_paper_share_of_pretraining_tokens():
@@ -195,20 +196,20 @@ def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_acce
     base = ["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"]
     monkeypatch.setenv("WORLD_SIZE", "8")
     ok = compose_cfg(base)
-    assert (ok.train.micro_batch_size, ok.train.grad_accum) == (8, 1) and validate(ok).fine_tune
+    assert (ok.train.micro_batch_size, ok.train.grad_accum) == (8, 1) and validate(run_config(ok)).training.fine_tune
     with pytest.raises(
         ConfigError,
         match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 128 rows .* is 64: "
         r"set train\.grad_accum=1",
     ):
-        validate(compose_cfg([*base, "train.grad_accum=2"]))
+        validate(run_config(compose_cfg([*base, "train.grad_accum=2"])))
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(
         ConfigError,
         match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 1 x 3 processes = 48 "
         r"rows .* is 64: choose micro_batch_size x processes dividing 64",
     ):
-        validate(compose_cfg(base))
+        validate(run_config(compose_cfg(base)))
 
 
 def test_an_unsupported_architecture_fails_before_loading(tmp_path):
@@ -217,11 +218,16 @@ def test_an_unsupported_architecture_fails_before_loading(tmp_path):
     (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     cfg = compose_cfg(["model.source=local", f"model.id={folder}"])
     with pytest.raises(ConfigError, match=r"model\.id: .* is a 'gpt2' model; the MLA conversion handles"):
-        validate(cfg)
-    assert validate(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"])).spec is None
+        validate(run_config(cfg))
+    assert (
+        validate(
+            run_config(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"]))
+        ).conversion.spec
+        is None
+    )
 
 
 def test_hqq_three_bits_validates_and_quanto_three_bits_does_not():
-    assert validate(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"])).kv_quant.nbits == 3
+    assert validate(run_config(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"]))).evaluation.kv_quant.nbits == 3
     with pytest.raises(ConfigError, match="kv_quant.nbits: 3 is not supported by quanto"):
-        validate(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"]))
+        validate(run_config(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"])))

@@ -601,7 +601,7 @@ def test_two_seeds_read_a_stream_in_different_orders_that_resume_exactly(tmp_pat
 
 def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(tmp_path, tok):
     from mha2mla_exp.data import calibration_batches
-    from mha2mla_exp.runner import stages
+    from mha2mla_exp.runner import run_config, stages
     from mha2mla_exp.runner.config import validate
 
     rng = random.Random(3)
@@ -626,7 +626,8 @@ def test_a_streams_samples_for_calibration_distillation_and_seeds_are_distinct(t
                     f"seed={seed}",
                 ],
             )
-        return stages.stream_offsets(validate(cfg))
+        plan = validate(run_config(cfg))
+        return stages.stream_offsets(plan.conversion.spec, plan.config)
 
     calibration = torch.cat(calibration_batches(data, n=6, seq_len=16))
     assert torch.equal(calibration, data.training_rows(16, seed=0).next_rows(6))  # the head, as in the paper

@@ -385,12 +385,12 @@ class Checker:
             raise CommandFailed(self.cells[key])
 
     def _check_cell(self, overrides: list[str], world: int) -> None:
-        from mha2mla_exp.runner import validate
+        from mha2mla_exp.runner import run_config, validate
 
         cfg = compose(overrides)
         with world_size(world):
-            plan = validate(cfg)
-            if plan.fine_tune:
+            plan = validate(run_config(cfg))
+            if plan.training.fine_tune:
                 self.budget(plan, world)
 
     def budget(self, plan, world: int) -> None:
@@ -431,7 +431,7 @@ class Checker:
         if self.corpora[key] is None:
             return
         try:
-            stages.training_rows(plan, self.corpora[key], world)
+            stages.training_rows(config.train, plan.training.budget.tokens, self.corpora[key], config.seed)
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
@@ -607,7 +607,7 @@ def test_documented_command(command, checker):
 
 def _composes_with(key: str, values: tuple[str, ...]):
     """The first group choice under which `key=value` composes (and, for a run key, validates) for every value."""
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
 
     group = key.split(".")[0]
     choices = [[]]
@@ -628,7 +628,7 @@ def _composes_with(key: str, values: tuple[str, ...]):
                     continue
                 cfg = compose([*choice, f"{key}={value}"], hydra=key.startswith("hydra."))
                 if not key.startswith("hydra."):
-                    validate(cfg)
+                    validate(run_config(cfg))
             return choice
         except Exception as err:
             errors.append(f"{choice or 'defaults'}: {type(err).__name__}: {str(err).splitlines()[0]}")
@@ -660,10 +660,10 @@ def test_every_eval_option_takes_the_documented_eval_keys(option, checker):
         if parent != "eval" and not (section is not None and section.get("enabled", True)):
             continue
         assert OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING, f"conf/eval/{option}.yaml lacks {key}"
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
 
     data = offline_longbench(cfg, checker.tmp)  # LongBench's data come from the hub: a folder in its format
-    assert validate(compose([f"eval={option}", "eval.dtype=float32", *data])).eval_dtype == "float32"
+    assert validate(run_config(compose([f"eval={option}", "eval.dtype=float32", *data]))).evaluation.dtype == "float32"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -127,25 +127,27 @@ def test_lengths_beyond_the_evaluation_window_are_refused_before_the_fine_tune()
     from hydra import compose, initialize_config_dir
 
     from mha2mla_exp.confutil import CONF_DIR
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
     from mha2mla_exp.runner.config import ConfigError
 
     def plan(*overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return validate(
-                compose(
-                    config_name="config",
-                    overrides=[
-                        "model=tiny_random",
-                        "rope.r=2",
-                        "svd.d_kv=8",
-                        "eval=long_context",
-                        "model.finetune_length=512",
-                        *overrides,
-                    ],
+                run_config(
+                    compose(
+                        config_name="config",
+                        overrides=[
+                            "model=tiny_random",
+                            "rope.r=2",
+                            "svd.d_kv=8",
+                            "eval=long_context",
+                            "model.finetune_length=512",
+                            *overrides,
+                        ],
+                    )
                 )
             )
 
     with pytest.raises(ConfigError, match=r"eval\.long_context: its longest sequence \(1024 tokens.*window of 512"):
         plan("eval.long_context.lengths=[512,1024]", "eval.long_context.ppl_lengths=[]")
-    assert plan("eval.long_context.lengths=[512]", "eval.long_context.ppl_lengths=[256]").fine_tune
+    assert plan("eval.long_context.lengths=[512]", "eval.long_context.ppl_lengths=[256]").training.fine_tune

@@ -16,6 +16,7 @@ from conftest import TINY_BYTE_LM
 
 from mha2mla_exp.confutil import typed_section
 from mha2mla_exp.evaluation.placement import EvalPlacement
+from mha2mla_exp.evaluation.plan import EvalPlan
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.runner import stages
 from mha2mla_exp.schema.sections import EvalConfig
@@ -32,8 +33,8 @@ def rotary_buffers(model) -> dict[str, torch.Tensor]:
 
 
 def cuda_plan():
-    """The plan of the untouched original evaluated on a GPU (nothing converted, nothing trained)."""
-    return SimpleNamespace(device_type="cuda", eval_dtype="bfloat16", spec=None, trains=False)
+    """The evaluation's plan for the untouched original evaluated on a GPU."""
+    return EvalPlan(dtype="bfloat16", dtype_reason="auto on CUDA", kv_quant=None)
 
 
 def test_the_original_loads_like_every_other_row_on_cuda(monkeypatch):
@@ -47,7 +48,8 @@ def test_the_original_loads_like_every_other_row_on_cuda(monkeypatch):
     monkeypatch.setattr("mha2mla_exp.models.load_model", fake_load_model)
     for dtype, loaded in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):  # an explicit model.dtype wins
         model = dataclasses.replace(TINY_BYTE_LM, dtype=dtype)
-        stages.load(model, stages.placement(model, cuda_plan().eval_dtype, torch.device("cpu")), torch.device("cpu"))
+        where = dataclasses.replace(cuda_plan(), model_dtype=model.dtype).placement(torch.device("cpu"))
+        stages.load(model, where, torch.device("cpu"))
         assert asked["dtype"] == loaded
 
 
@@ -101,7 +103,7 @@ def test_a_trained_model_is_evaluated_as_kept_on_the_runs_device(monkeypatch, tm
     run_device = torch.device("meta")  # stands for cuda:<local rank>
     dist = SimpleNamespace(is_main_process=True, num_processes=1, device=run_device, wait_for_everyone=lambda: None)
     trained = TrainedModel(tmp_path, "tiny", "abcd1234")
-    plan = SimpleNamespace(trains=True, config=SimpleNamespace(trained_model_busy="wait"))
+    plan = SimpleNamespace(training=SimpleNamespace(trains=True), config=SimpleNamespace(trained_model_busy="wait"))
     model = run_module._model_for_evaluation(plan, trained, None, None, None, {"timings": {}}, dist, None, None)
     assert model is not on_cpu
     assert loaded == {"folder": trained.model_dir, "device": run_device}

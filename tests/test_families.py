@@ -248,15 +248,15 @@ def test_the_runner_converts_trains_and_measures_a_random_model_of_a_family(tmp_
     run through the runner as for a Llama; the cache holds what the formula (key-norm scalars included) says."""
     from hydra import compose, initialize_config_dir
 
-    from mha2mla_exp.runner import run, validate
+    from mha2mla_exp.runner import run, run_config, validate
 
     overrides = ["+experiment=smoke", "rope.r=2", "svd.d_kv=8", f"results_dir={tmp_path}"]
     overrides += [f"model.family={family}", f"model.shape.key_norm={key_norm}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    plan = validate(cfg)
-    assert plan.shape.key_norm_scales == {"head": 2, "projection": 1, "null": 0}[key_norm]
-    record = run(cfg)
+    plan = validate(run_config(cfg))
+    assert plan.conversion.shape.key_norm_scales == {"head": 2, "projection": 1, "null": 0}[key_norm]
+    record = run(run_config(cfg))
     assert record["status"] == "ok", record["error"]
     assert record["kv"]["ratio_measured"] == pytest.approx(record["kv"]["ratio_nominal"], rel=1e-9)
 
@@ -264,13 +264,13 @@ def test_the_runner_converts_trains_and_measures_a_random_model_of_a_family(tmp_
 def test_a_random_model_whose_key_norm_disagrees_with_its_family_is_refused_before_loading(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
     from mha2mla_exp.runner.config import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=smoke", "model.family=qwen3"])
     with pytest.raises(ConfigError, match="model.shape.key_norm: family 'qwen3' normalises its keys per head"):
-        validate(cfg)
+        validate(run_config(cfg))
 
 
 def test_a_local_model_the_conversion_cannot_keep_exactly_is_refused_before_loading(tmp_path):
@@ -278,7 +278,7 @@ def test_a_local_model_the_conversion_cannot_keep_exactly_is_refused_before_load
     import transformers as tf
     from hydra import compose, initialize_config_dir
 
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
     from mha2mla_exp.runner.config import ConfigError
 
     tf.Phi3Config(
@@ -295,4 +295,4 @@ def test_a_local_model_the_conversion_cannot_keep_exactly_is_refused_before_load
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     with pytest.raises(ConfigError, match=r"\(phi3\) cannot be converted exactly: partial_rotary_factor=0.75"):
-        validate(cfg)
+        validate(run_config(cfg))

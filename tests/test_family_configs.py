@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from mha2mla_exp.mla.families import FAMILIES, family_of, unsupported_features
 from mha2mla_exp.mla.spec import kv_elements_per_token, kv_ratio
 from mha2mla_exp.models import check_shape
-from mha2mla_exp.runner import ConfigError, validate
+from mha2mla_exp.runner import ConfigError, run_config, validate
 from mha2mla_exp.schema.sections import ShapeConfig
 from tests.test_configs import compose_cfg
 
@@ -204,7 +204,7 @@ def plan(name: str, rope: str = "2-norm"):
     """The validated plan of `name` converted (no CPU bf16 timing: `auto` precision pinned to fp32, as in
     tests/test_configs.py)."""
     pinned = lambda *_: (False, "pinned by the test")  # noqa: E731
-    return validate(compose_cfg([f"model={name}", f"rope={rope}", *MLA]), bf16_pays=pinned)
+    return validate(run_config(compose_cfg([f"model={name}", f"rope={rope}", *MLA])), bf16_pays=pinned)
 
 
 def config_json(name: str):
@@ -240,7 +240,7 @@ def test_conversion_plan_validates_and_caches_the_key_norm(name):
     """The paper's default conversion (2-norm, r = d_h/16, joint SVD of d_kv 32) plans offline; its cache per token
     and layer is the rope keys, the latent and, under a key norm, one 1/rms per norm group."""
     planned = plan(name)
-    shape, spec = planned.shape, planned.spec
+    shape, spec = planned.conversion.shape, planned.conversion.spec
     facts = compose_cfg([f"model={name}"]).model.shape
     assert shape.key_norm == facts.key_norm
     assert (shape.num_kv_heads, shape.head_dim) == (facts.num_kv_heads, facts.head_dim)
@@ -253,14 +253,15 @@ def test_conversion_plan_validates_and_caches_the_key_norm(name):
     plain = dataclasses.replace(shape, key_norm=None)  # the same shape without the family's key norm
     assert kv_elements_per_token(shape, spec) - kv_elements_per_token(plain, spec) == scales
     # offline (tests/conftest.py), the hub's config.json is not read: the architecture is said to be unchecked
-    assert any(HUB_IDS[name] in note and "unknown until download" in note for note in planned.notes), planned.notes
+    notes = planned.launch.notes
+    assert any(HUB_IDS[name] in note and "unknown until download" in note for note in notes), notes
 
 
 def test_qwen3_plan_caches_one_scale_per_kv_head():
     """Qwen3-0.6B-Base: 8 KV heads of 128 dims, r 8, d_kv 32: 8*16 rope + 8*32 latent + 8 scales of 2*8*128."""
     planned = plan("qwen3_0_6b")
-    assert kv_elements_per_token(planned.shape, planned.spec) == 8 * 16 + 8 * 32 + 8
-    assert kv_ratio(planned.shape, planned.spec) == pytest.approx(392 / 2048)
+    assert kv_elements_per_token(planned.conversion.shape, planned.conversion.spec) == 8 * 16 + 8 * 32 + 8
+    assert kv_ratio(planned.conversion.shape, planned.conversion.spec) == pytest.approx(392 / 2048)
 
 
 @pytest.mark.parametrize("name, refused", [("qwen3_0_6b", True), ("gemma3_1b", False), ("olmo2_1b", False)])
@@ -271,4 +272,4 @@ def test_a_shared_rope_key_is_refused_under_a_per_head_key_norm(name, refused):
         with pytest.raises(ConfigError, match="rms"):
             plan(name, rope="rorope")
     else:
-        assert plan(name, rope="rorope").spec.rope == "rorope"
+        assert plan(name, rope="rorope").conversion.spec.rope == "rorope"

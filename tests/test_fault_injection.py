@@ -83,7 +83,7 @@ def _launch(overrides: list[str], fault: str | None, outcome: str, env: dict[str
     import torch
     from hydra import compose, initialize_config_dir
 
-    from mha2mla_exp.runner import run
+    from mha2mla_exp.runner import run, run_config
 
     torch.set_num_threads(1)  # the launches share the cores: no thread pool spinning against another's
     os.environ.pop(FAULT_ENV, None)
@@ -92,7 +92,7 @@ def _launch(overrides: list[str], fault: str | None, outcome: str, env: dict[str
     os.environ.update(env)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    record = run(cfg)
+    record = run(run_config(cfg))
     Path(outcome).write_text(json.dumps({"status": record["status"], "error": record.get("error")}))
 
 

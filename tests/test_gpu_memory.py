@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mha2mla_exp.runner import validate
+from mha2mla_exp.runner import run_config, validate
 from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.loss_head import CHUNK_ROWS
 from mha2mla_exp.train.memory import estimate_memory, parameter_count
@@ -94,15 +94,19 @@ def paper_plan(*overrides):
                 "mla_dkv_dh_over_8",
             ),
         )
-    return validate(cfg)
+    return validate(run_config(cfg))
 
 
 def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monkeypatch):
     monkeypatch.setattr("mha2mla_exp.runner.config.probe_architecture", lambda cfg: (None, []))  # offline
     monkeypatch.setattr("mha2mla_exp.runner.config.probe_hub_datasets", lambda mixture: [])
     plan = paper_plan()
-    assert plan.memory.strategy == "fsdp" and plan.memory.activation_checkpointing and plan.memory.processes == 8
-    assert plan.memory.total_gb < 80
+    assert (
+        plan.training.memory.strategy == "fsdp"
+        and plan.training.memory.activation_checkpointing
+        and plan.training.memory.processes == 8
+    )
+    assert plan.training.memory.total_gb < 80
     with pytest.raises(ConfigError, match=r"train.gpu_memory_gb: the fine-tune needs about \d+\.\d GB per GPU \(ddp"):
         paper_plan("train.strategy=ddp", "train.activation_checkpointing=false")
     with pytest.raises(ConfigError, match="train.strategy: fsdp shards the fp32 weights themselves; bf16-master"):
@@ -145,7 +149,7 @@ def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeyp
                 ),
             )
 
-    outcome = run(compose_7b("dry_run=true"))
+    outcome = run(run_config(compose_7b("dry_run=true")))
     printed = capsys.readouterr().out
     assert outcome["status"] == "refused"  # as one process (tests/test_paper_plan.py); what it lacks is said too
     assert "data.mixture[2].blob_field: boto3 finds no AWS credentials" in outcome["error"]
@@ -153,4 +157,4 @@ def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeyp
     assert "fsdp on 8 process(es), activation checkpointing on" in printed
     assert not any(tmp_path.iterdir())  # a plan writes nothing
     with pytest.raises(ConfigError, match=r"data\.mixture\[2\]\.blob_field: boto3 finds no AWS credentials"):
-        validate(compose_7b())
+        validate(run_config(compose_7b()))

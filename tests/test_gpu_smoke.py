@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from mha2mla_exp.bench import gpu_smoke
-from mha2mla_exp.runner import validate
+from mha2mla_exp.runner import run_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,10 +151,10 @@ def test_the_gpu_plans_runs_are_valid_runner_configs(name, tmp_path):
         cfg = compose(
             config_name="config", overrides=[*gpu_smoke.runner_runs(gpu_smoke.GPU)[name], f"results_dir={tmp_path}"]
         )
-    plan = validate(cfg)
-    assert plan.fine_tune == (name != "original") and plan.eval_dtype_reason
+    plan = validate(run_config(cfg))
+    assert plan.training.fine_tune == (name != "original") and plan.evaluation.dtype_reason
     if cfg.eval.long_context.enabled:  # checked only at evaluation time (evaluation/long_context.py), so here
         lc = cfg.eval.long_context
         assert max([*lc.lengths, *lc.ppl_lengths]) <= cfg.model.finetune_length
-    if plan.fine_tune:
-        assert plan.schedule.total_steps == 300  # "a few hundred steps"
+    if plan.training.fine_tune:
+        assert plan.training.schedule.total_steps == 300  # "a few hundred steps"

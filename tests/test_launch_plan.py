@@ -14,7 +14,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mha2mla_exp.runner import validate
+from mha2mla_exp.mla.spec import MLASpec
+from mha2mla_exp.runner import run_config, validate
 from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.budget import REFERENCE_THROUGHPUT, flops_per_token, plan_budget
 from mha2mla_exp.train.memory import (
@@ -39,33 +40,39 @@ def test_one_process_of_the_8_gpu_1b7_plan_is_refused_for_time_naming_the_launch
     have run 8 times the planned wall time (grad_accum 32)."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError) as refused:
-        validate(compose_paper("model=smollm_1b7", "device=cuda"))
+        validate(run_config(compose_paper("model=smollm_1b7", "device=cuda")))
     message = str(refused.value)
     assert message.startswith("train.gpus: this launch has 1 process(es) but the plan is laid out for 8 (ddp)")
     assert "torchrun --nproc_per_node 8" in message and "hydra.launcher.tasks_per_node=8" in message
     hours = [float(h.replace(",", "")) for h in re.findall(r"about ([\d,.]+) h", message)]
     assert len(hours) == 2 and hours[0] == pytest.approx(8 * hours[1], rel=1e-2)  # on 1 vs on 8 (rounded)
-    intended = validate(compose_paper("model=smollm_1b7", "device=cuda", "train.allow_fewer_processes=true"))
-    assert intended.launch.accepted and intended.launch.launched == 1 and intended.launch.fits
+    intended = validate(
+        run_config(compose_paper("model=smollm_1b7", "device=cuda", "train.allow_fewer_processes=true"))
+    )
+    assert (
+        intended.training.processes.accepted
+        and intended.training.processes.launched == 1
+        and intended.training.processes.fits
+    )
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert validate(compose_paper("model=smollm_1b7", "device=cuda")).launch.accepted
+    assert validate(run_config(compose_paper("model=smollm_1b7", "device=cuda"))).training.processes.accepted
 
 
 def test_intended_fewer_processes_still_refused_where_memory_does_not_fit(offline, gpu_machine, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"needs about 131\.5 GB per GPU.*torchrun --nproc_per_node 8"):
-        validate(compose_paper("model=llama2_7b", "device=cuda", "train.allow_fewer_processes=true"))
+        validate(run_config(compose_paper("model=llama2_7b", "device=cuda", "train.allow_fewer_processes=true")))
 
 
 def test_smollm_135m_on_8_processes_is_planned_without_extra_options(offline, gpu_machine, monkeypatch):
     """64 sequences over 8 processes at the paper's micro-batch of 16 gave grad_accum 0 and a refusal."""
     monkeypatch.setenv("WORLD_SIZE", "8")
-    plan = validate(compose_paper("model=smollm_135m", "device=cuda"))
+    plan = validate(run_config(compose_paper("model=smollm_135m", "device=cuda")))
     train = plan.config.train
     assert (train.micro_batch_size, train.grad_accum, train.global_batch_rows) == (8, 1, 64)
-    assert plan.launch.accepted and plan.launch.planned == 8
+    assert plan.training.processes.accepted and plan.training.processes.planned == 8
     monkeypatch.setenv("WORLD_SIZE", "1")  # the paper's own micro-batch where it forms the batch
-    train = validate(compose_paper("model=smollm_135m", "device=cuda")).config.train
+    train = validate(run_config(compose_paper("model=smollm_135m", "device=cuda"))).config.train
     assert (train.micro_batch_size, train.grad_accum) == (16, 4)
 
 
@@ -87,15 +94,15 @@ def test_the_wall_time_follows_the_reference_throughput():
 def test_host_memory_counts_the_final_save_the_stream_and_a_checkpoint_tensor(offline, gpu_machine, monkeypatch):
     """The final save held the whole fp32 model on the host (27 GB for the 7B); now one safetensors shard."""
     monkeypatch.setenv("WORLD_SIZE", "8")
-    plan = validate(compose_paper("model=llama2_7b", "device=cuda"))
-    host, vocab, hidden = plan.host_memory, 32000, 4096
+    plan = validate(run_config(compose_paper("model=llama2_7b", "device=cuda")))
+    host, vocab, hidden = plan.training.host_memory, 32000, 4096
     assert host.main == {
         "checkpoint tensor in flight": 4 * vocab * hidden,
         "data stream": 5 * STREAM_PART_BYTES + 2 * 8 * 1024 * 4096,
         "final save (one safetensors shard)": SAVE_SHARD_BYTES,
     }
     assert host.other == {"checkpoint tensor in flight": 4 * vocab * hidden}
-    assert host.main_gb < 4 * plan.memory.parameters / 1e9  # never the whole fp32 model
+    assert host.main_gb < 4 * plan.training.memory.parameters / 1e9  # never the whole fp32 model
     assert host.slurm_mem_gb(8) == math.ceil(host.node_gb(8) * (1 + SLURM_MARGIN))
 
 
@@ -153,15 +160,17 @@ def test_a_dry_run_on_cpu_plans_the_named_device(offline, monkeypatch, tmp_path,
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    outcome = run(compose_paper("model=smollm_135m", "device=cuda", "dry_run=true", f"results_dir={tmp_path}"))
+    outcome = run(
+        run_config(compose_paper("model=smollm_135m", "device=cuda", "dry_run=true", f"results_dir={tmp_path}"))
+    )
     printed = capsys.readouterr().out
     assert outcome["status"] == "planned", outcome
     assert "bf16-autocast (auto on CUDA" in printed and "evaluation dtype: bfloat16 (auto on CUDA" in printed
     with pytest.raises(ConfigError, match="device: cuda was asked for"):  # a real run still needs the GPU
-        validate(compose_paper("model=smollm_135m", "device=cuda"))
+        validate(run_config(compose_paper("model=smollm_135m", "device=cuda")))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    on_gpu = validate(compose_paper("model=smollm_135m", "device=cuda", f"results_dir={tmp_path}"))
+    on_gpu = validate(run_config(compose_paper("model=smollm_135m", "device=cuda", f"results_dir={tmp_path}")))
     assert outcome["run_dir"] == str(run_dir_for(on_gpu))  # the GPU run's folder, so its hashes
     assert f"trained model: {trained_model_for(on_gpu).dir} " in printed
 
@@ -171,19 +180,19 @@ def test_the_conversion_runs_in_full_fp32_with_tf32_on_for_the_run(monkeypatch):
 
     seen = {}
 
-    def convert_to_mla(model, **kwargs):
+    def convert_to_mla(model, spec, **kwargs):
         seen["matmul"] = torch.get_float32_matmul_precision()
         seen["cudnn"] = torch.backends.cudnn.allow_tf32
         return model
 
     monkeypatch.setattr(stages, "convert_to_mla", convert_to_mla)
-    plan = type("Plan", (), {"spec": type("Spec", (), {"to_dict": lambda self: {}})()})()
+    spec = MLASpec(rope="high", r=2, svd="none", d_kv=None)
     model = type("Model", (), {"config": object()})()
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
         torch.set_float32_matmul_precision("high")  # what apply_matmul_precision does on CUDA
         torch.backends.cudnn.allow_tf32 = True
-        assert stages.convert(plan, model, calibration=[]) is model
+        assert stages.convert(spec, None, model, data=None) is model
         assert seen == {"matmul": "highest", "cudnn": False}
         assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
     finally:

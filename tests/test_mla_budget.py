@@ -263,7 +263,7 @@ def test_budget_range_and_name():
 
 
 def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp_path):
-    from mha2mla_exp.runner import run
+    from mha2mla_exp.runner import run, run_config
     from tests.test_runner import smoke_cfg
 
     cfg = smoke_cfg(
@@ -276,7 +276,7 @@ def test_a_budget_conversion_runs_end_to_end_and_its_record_states_the_split(tmp
         "svd.d_kv=null",
         "train.tokens=256",
     )
-    record = run(cfg)
+    record = run(run_config(cfg))
     assert record["status"] == "ok", record["error"]
     assert record["mla"]["kv_elements"] == 20 and record["mla"]["r"] is None
     assert record["kv"]["ratio_measured"] == pytest.approx(record["kv"]["ratio_nominal"]) == pytest.approx(20 / FULL)

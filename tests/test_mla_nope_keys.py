@@ -111,10 +111,10 @@ def test_nope_keys_are_validated_and_named():
 
 
 def test_the_runner_takes_nope_keys_from_the_rope_group(tmp_path):
-    from mha2mla_exp.runner import run
+    from mha2mla_exp.runner import run, run_config
     from tests.test_runner import smoke_cfg
 
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "rope.nope_keys=attended", "train.tokens=256")
-    record = run(cfg)
+    record = run(run_config(cfg))
     assert record["status"] == "ok", record["error"]
     assert record["mla"]["nope_keys"] == "attended" and "-att__" in record["run_name"]

@@ -51,8 +51,7 @@ def test_a_new_strategy_converts(tokens):
 
 def test_a_new_strategy_runs_through_the_runner(tmp_path):
     from mha2mla_exp.aggregate.wandb_source import mla_from_hydra
-    from mha2mla_exp.runner import run, validate
-    from mha2mla_exp.runner.config import describe
+    from mha2mla_exp.runner import run, run_config, validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
@@ -67,11 +66,15 @@ def test_a_new_strategy_runs_through_the_runner(tmp_path):
                 "train.enabled=false",
             ],
         )
-    plan = validate(cfg)
-    assert plan.spec.rope == "test-loudest-keys" and plan.spec.r == 16 // 16 and plan.spec.needs_calibration
-    assert "__test-loudest-keys-r1__joint-dkv8__" in describe(plan)
+    plan = validate(run_config(cfg))
+    assert (
+        plan.conversion.spec.rope == "test-loudest-keys"
+        and plan.conversion.spec.r == 16 // 16
+        and plan.conversion.spec.needs_calibration
+    )
+    assert "__test-loudest-keys-r1__joint-dkv8__" in plan.identity.name
     before = LoudestKeys.calls
-    record = run(cfg)
+    record = run(run_config(cfg))
     assert record["status"] == "ok", record["error"]
     assert LoudestKeys.calls == before + 1
     assert record["mla"]["rope"] == "test-loudest-keys" and record["mla"]["r"] == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from mha2mla_exp.runner import validate
+from mha2mla_exp.runner import run_config, validate
 from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.budget import plan_budget
 from mha2mla_exp.train.memory import estimate_host_memory
@@ -48,11 +48,15 @@ def test_a_one_process_launch_of_the_8_gpu_7b_plan_is_refused_before_loading(off
         match=r"train\.gpus: this launch has 1 process\(es\) but the plan is laid out "
         r"for 8 \(fsdp\).*torchrun --nproc_per_node 8",
     ):
-        validate(compose_paper("model=llama2_7b", "device=cuda"))
+        validate(run_config(compose_paper("model=llama2_7b", "device=cuda")))
     monkeypatch.setenv("WORLD_SIZE", "8")  # the launch the plan is for
-    plan = validate(compose_paper("model=llama2_7b", "device=cuda"))
-    assert plan.launch.fits and plan.launch.launched == plan.launch.planned == 8 and plan.launch.needed == 2
-    assert plan.memory.processes == 8 and plan.memory.total_gb < 80
+    plan = validate(run_config(compose_paper("model=llama2_7b", "device=cuda")))
+    assert (
+        plan.training.processes.fits
+        and plan.training.processes.launched == plan.training.processes.planned == 8
+        and plan.training.processes.needed == 2
+    )
+    assert plan.training.memory.processes == 8 and plan.training.memory.total_gb < 80
 
 
 def test_the_7b_dry_run_prints_processes_memory_schedule_and_mixture_and_refuses_the_launch(
@@ -61,7 +65,7 @@ def test_the_7b_dry_run_prints_processes_memory_schedule_and_mixture_and_refuses
     from mha2mla_exp.runner.run import run
 
     monkeypatch.setenv("WORLD_SIZE", "1")
-    outcome = run(compose_paper("model=llama2_7b", "dry_run=true", f"results_dir={tmp_path}"))
+    outcome = run(run_config(compose_paper("model=llama2_7b", "dry_run=true", f"results_dir={tmp_path}")))
     printed = capsys.readouterr().out
     assert outcome["status"] == "refused" and "train.gpus: this launch has 1 process(es)" in outcome["error"]
     assert re.search(
@@ -111,7 +115,7 @@ def test_a_schedule_that_does_not_fit_the_budget_is_refused_naming_the_field(off
         match=r"train\.decay_steps: 1,000 warm-up steps .* and 2,000 decay steps do "
         r"not fit the budget's 4 steps",
     ):
-        validate(compose_paper("model=llama2_7b", "train.tokens=4194304"))
+        validate(run_config(compose_paper("model=llama2_7b", "train.tokens=4194304")))
 
 
 def test_host_memory_per_process_follows_the_strategy():
@@ -152,7 +156,7 @@ def test_the_readmes_paper_scale_torchrun_line_is_the_papers_recipe(offline, mon
     assert cfg.data.source == "hub" and [p.weight for p in cfg.data.mixture] == [0.70, 0.15, 0.08, 0.06, 0.01]
     budget = plan_budget(cfg.train, pretrain_tokens=cfg.model.pretrain_tokens, num_processes=world)
     assert (budget.steps, budget.rows_per_step) == (cfg.model.paper_recipe.steps, cfg.model.paper_recipe.batch_size)
-    assert validate(cfg).fine_tune
+    assert validate(run_config(cfg)).training.fine_tune
 
 
 def test_the_paper_sweeps_launch_each_model_with_the_processes_its_plan_needs(tmp_path):
@@ -213,9 +217,9 @@ def test_a_mixture_part_dropped_for_missing_access_makes_another_model(offline, 
     from mha2mla_exp.data import sources
 
     overrides = ("model=smollm_135m", "data.missing_parts=renormalise")
-    everywhere = validate(compose_paper(*overrides))
+    everywhere = validate(run_config(compose_paper(*overrides)))
     monkeypatch.setattr(
         sources, "part_access_error", lambda part, where: "no AWS credentials" if part.get("blob_field") else None
     )
-    without_python_edu = validate(compose_paper(*overrides))
-    assert without_python_edu.trained_hash != everywhere.trained_hash
+    without_python_edu = validate(run_config(compose_paper(*overrides)))
+    assert without_python_edu.identity.trained_hash != everywhere.identity.trained_hash

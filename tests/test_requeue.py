@@ -18,7 +18,7 @@ import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mha2mla_exp.runner import run, trained_model_for, validate
+from mha2mla_exp.runner import run, run_config, trained_model_for, validate
 from mha2mla_exp.train import TrainingStopped
 from mha2mla_exp.train.recipe import recover_checkpoint
 from tests.test_distributed import COMMON, ROOT
@@ -54,7 +54,7 @@ def submitit_task(parent: psutil.Process) -> psutil.Process | None:
 def test_a_timed_out_cell_is_requeued_and_resumes_to_the_same_loss(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*COMMON, *LONG, f"results_dir={tmp_path / 'reference'}"])
-    reference = run(cfg)
+    reference = run(run_config(cfg))
 
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     out = tmp_path / "requeued"
@@ -102,7 +102,7 @@ def test_a_timed_out_cell_is_requeued_and_resumes_to_the_same_loss(tmp_path):
 
 def test_a_stop_signal_checkpoints_at_the_next_step_and_a_relaunch_resumes_there(tmp_path):
     overrides = [*NO_PERIODIC, "train.tokens=8192"]  # 32 steps
-    reference = run(compose_run(tmp_path / "reference", *overrides))
+    reference = run(run_config(compose_run(tmp_path / "reference", *overrides)))
     cfg = compose_run(tmp_path / "stopped", *overrides)
 
     def signal_once_training_runs():
@@ -112,20 +112,20 @@ def test_a_stop_signal_checkpoints_at_the_next_step_and_a_relaunch_resumes_there
 
     threading.Thread(target=signal_once_training_runs, daemon=True).start()
     with pytest.raises(TrainingStopped):
-        run(cfg)
-    progress = trained_model_for(validate(cfg)).dir / "checkpoint" / "progress.json"
+        run(run_config(cfg))
+    progress = trained_model_for(validate(run_config(cfg))).dir / "checkpoint" / "progress.json"
     stopped_at = json.loads(progress.read_text())["step"]
     assert 3 <= stopped_at < reference["train"]["steps"]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler is put back
 
-    resumed = run(cfg)
+    resumed = run(run_config(cfg))
     assert resumed["status"] == "ok" and resumed["train"]["resumed_from_step"] == stopped_at
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-5)
 
 
 def test_a_checkpoint_swap_cut_between_its_renames_resumes_from_the_new_checkpoint(tmp_path, monkeypatch):
     overrides = [*COMMON, "train.tokens=4096"]  # checkpoints at steps 2, 4, 6...
-    reference = run(compose_run(tmp_path / "reference", *overrides))
+    reference = run(run_config(compose_run(tmp_path / "reference", *overrides)))
     cfg = compose_run(tmp_path / "cut", *overrides)
     rename = pathlib.Path.rename
     swaps = []
@@ -139,12 +139,12 @@ def test_a_checkpoint_swap_cut_between_its_renames_resumes_from_the_new_checkpoi
 
     monkeypatch.setattr(pathlib.Path, "rename", cut_at_the_second_swap)
     with pytest.raises(OSError, match="between the renames"):
-        run(cfg)
+        run(run_config(cfg))
     monkeypatch.setattr(pathlib.Path, "rename", rename)
-    root = trained_model_for(validate(cfg)).dir
+    root = trained_model_for(validate(run_config(cfg))).dir
     assert not (root / "checkpoint").exists() and (root / "checkpoint.old").exists()
 
-    resumed = run(cfg)
+    resumed = run(run_config(cfg))
     assert resumed["train"]["resumed_from_step"] == 4
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-5)
 

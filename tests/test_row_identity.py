@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from mha2mla_exp.aggregate import build_aggregate, paired
-from mha2mla_exp.runner import record, validate
+from mha2mla_exp.runner import record, run_config, validate
 from tests.test_aggregate import _record, _write
 from tests.test_configs import compose_cfg
 
@@ -19,7 +19,7 @@ TRAINED = ["variant=mla", "train.tokens=4096", "train.precision=fp32"]
 
 def test_the_setting_hash_leaves_out_the_seed_and_only_the_seed():
     plans = {
-        name: validate(compose_cfg(TRAINED + extra))
+        name: validate(run_config(compose_cfg(TRAINED + extra)))
         for name, extra in {
             "seed0": [],
             "seed1": ["seed=1"],
@@ -28,11 +28,13 @@ def test_the_setting_hash_leaves_out_the_seed_and_only_the_seed():
             "logging": ["train.log_every=7"],
         }.items()
     }
-    assert plans["seed0"].trained_hash != plans["seed1"].trained_hash
-    assert plans["seed0"].setting_hash == plans["seed1"].setting_hash
-    assert plans["bf16"].setting_hash != plans["seed0"].setting_hash
-    assert plans["warmup"].setting_hash != plans["seed0"].setting_hash
-    assert plans["logging"].setting_hash == plans["seed0"].setting_hash  # an observer changes no number
+    assert plans["seed0"].identity.trained_hash != plans["seed1"].identity.trained_hash
+    assert plans["seed0"].identity.setting_hash == plans["seed1"].identity.setting_hash
+    assert plans["bf16"].identity.setting_hash != plans["seed0"].identity.setting_hash
+    assert plans["warmup"].identity.setting_hash != plans["seed0"].identity.setting_hash
+    assert (
+        plans["logging"].identity.setting_hash == plans["seed0"].identity.setting_hash
+    )  # an observer changes no number
 
 
 def test_two_precisions_of_one_config_are_two_rows_and_two_seeds_one(tmp_path):

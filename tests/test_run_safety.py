@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mha2mla_exp.runner import ConfigError, run
+from mha2mla_exp.runner import ConfigError, run, run_config
 from mha2mla_exp.runner.lock import FolderBusy, FolderLock
 from mha2mla_exp.runner.record import MetricsLog
 
@@ -49,7 +49,7 @@ def test_a_name_that_would_leave_the_results_folder_is_refused_before_loading(tm
     else:
         cfg = composed(tmp_path, *override.split())
     with pytest.raises(ConfigError, match=f"{field.replace('.', '[.]')}: must be a plain name"):
-        run(cfg)
+        run(run_config(cfg))
     assert list(tmp_path.iterdir()) == []  # nothing written, anywhere
 
 
@@ -155,7 +155,7 @@ def test_a_local_folder_that_does_not_exist_is_an_error_not_a_hub_id(tmp_path):
         model_folder(tmp_path / "HuggingFaceTB" / "SmolLM-135M")  # shaped like a hub id, meant as a path
     cfg = composed(tmp_path, "model=local", f"model.id={tmp_path / 'typo'}")
     with pytest.raises(ConfigError, match="model.id: local model folder .* does not exist"):
-        run(cfg)
+        run(run_config(cfg))
 
 
 def test_a_hub_models_commit_is_recorded_and_a_revision_pin_is_part_of_the_identity(tmp_path, monkeypatch):
@@ -183,15 +183,19 @@ def test_a_hub_models_commit_is_recorded_and_a_revision_pin_is_part_of_the_ident
     hub = ModelConfig(name="tiny", source="hub", id="org/tiny", revision="main", dtype="float32")
     loaded, _ = load_model(hub)
     assert asked == [commit, commit]  # tokenizer and weights read at the one commit `main` pointed to
-    assert stages.source_commit(hub, loaded) == {"hub_commit": commit}
-    assert stages.source_commit(TINY_BYTE_LM, loaded) == {}
+    assert stages.source_commit(hub.source, loaded) == {"hub_commit": commit}
+    assert stages.source_commit(TINY_BYTE_LM.source, loaded) == {}
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     plans = [
-        validate(composed(tmp_path, "model=smollm_135m", "train=none", *pin), bf16_pays=lambda *a: (False, "test"))
+        validate(
+            run_config(composed(tmp_path, "model=smollm_135m", "train=none", *pin)),
+            bf16_pays=lambda *a: (False, "test"),
+        )
         for pin in ([], ["model.revision=" + "b" * 40])
     ]
-    assert plans[0].run_hash != plans[1].run_hash and plans[0].setting_hash != plans[1].setting_hash
+    identities = [plan.identity for plan in plans]
+    assert identities[0].run_hash != identities[1].run_hash and identities[0].setting_hash != identities[1].setting_hash
 
 
 def test_a_run_on_disk_and_in_wandb_is_one_setting_for_the_aggregate(tmp_path, monkeypatch):
@@ -228,16 +232,16 @@ def test_a_finished_record_is_kept_unless_rerun_is_asked_for(tmp_path, capsys):
 
     main_process = SimpleNamespace(is_main_process=True)
     never = lambda *a: (False, "test")  # noqa: E731
-    plan = validate(composed(tmp_path, *SMALL), bf16_pays=never)
+    plan = validate(run_config(composed(tmp_path, *SMALL)), bf16_pays=never)
     run_dir = run_dir_for(plan)
     run_dir.mkdir(parents=True)
     for status, finished in (("running", False), ("failed", False), ("ok", True), ("diverged", True)):
         (run_dir / "results.json").write_text(json.dumps({"status": status}))
-        assert (_finished(plan, run_dir, main_process) is not None) is finished, status
+        assert (_finished(run_dir, main_process, rerun=plan.config.rerun) is not None) is finished, status
     assert "already done (diverged)" in capsys.readouterr().out
-    rerun = validate(composed(tmp_path, *SMALL, "rerun=true"), bf16_pays=never)
+    rerun = validate(run_config(composed(tmp_path, *SMALL, "rerun=true")), bf16_pays=never)
     assert run_dir_for(rerun) == run_dir  # an observer: the same run, made again
-    assert _finished(rerun, run_dir, main_process) is None
+    assert _finished(run_dir, main_process, rerun=rerun.config.rerun) is None
 
 
 def test_a_sweep_with_a_busy_cell_says_so_and_is_not_complete(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from mha2mla_exp.mla.lowrank import FACTOR_SPLIT
-from mha2mla_exp.runner import run, run_dir_for, trained_model_for, validate
+from mha2mla_exp.runner import run, run_config, run_dir_for, trained_model_for, validate
 from tests.compositions import one_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,18 +82,18 @@ def test_smoke_experiment_runs_records_and_skips_on_relaunch(tmp_path):
 
 def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
     extra = ("train.checkpoint_every=2", "train.tokens=4096", "train.log_every=1")
-    reference = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra))
+    reference = run(run_config(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra)))
     assert reference["status"] == "ok"
 
     cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(cfg, fail_at_step=5)
-    run_dir, trained = run_dir_for(validate(cfg)), trained_model_for(validate(cfg))
+        run(run_config(cfg), fail_at_step=5)
+    run_dir, trained = run_dir_for(validate(run_config(cfg))), trained_model_for(validate(run_config(cfg)))
     crashed = json.loads((run_dir / "results.json").read_text())
     assert crashed["status"] == "failed"
     assert json.loads((trained.dir / "checkpoint" / "progress.json").read_text())["step"] == 4
 
-    resumed = run(cfg)
+    resumed = run(run_config(cfg))
     assert resumed["status"] == "ok" and resumed["resumed"] is True
     assert resumed["train"]["steps"] == reference["train"]["steps"]
     assert resumed["train"]["final_loss"] == pytest.approx(reference["train"]["final_loss"], abs=1e-5)
@@ -104,12 +104,14 @@ def test_crashed_run_resumes_to_the_same_final_loss(tmp_path):
 
 def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):
     extra = ("train.tokens=4096", "train.log_every=1")
-    plain = run(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra))
+    plain = run(run_config(smoke_cfg(tmp_path / "a", "mla_2-norm_joint", *extra)))
     cfg = smoke_cfg(tmp_path / "b", "mla_2-norm_joint", *extra, "train.eval_every=3", "train.eval_batches=1")
-    probed = run(cfg)
+    probed = run(run_config(cfg))
     assert probed["status"] == plain["status"] == "ok"
     assert probed["train"]["final_loss"] == pytest.approx(plain["train"]["final_loss"], abs=1e-6)
-    rows = [json.loads(line) for line in (run_dir_for(validate(cfg)) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (run_dir_for(validate(run_config(cfg))) / "metrics.jsonl").read_text().splitlines()
+    ]
     probes = [r for r in rows if "heldout_ppl_probe" in r]
     steps = probed["train"]["steps"]
     assert [r["step"] for r in probes] == sorted({0, *range(3, steps + 1, 3), steps})  # before, every 3, last
@@ -127,20 +129,22 @@ def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
         "train.divergence_factor=1.05",
         "train.tokens=8192",
     )
-    record = run(cfg)
+    record = run(run_config(cfg))
     assert record["status"] == "diverged"
     assert "diverged at step" in record["error"]
-    again = run(cfg)  # a diverged run is a result: not rerun
+    again = run(run_config(cfg))  # a diverged run is a result: not rerun
     assert again["status"] == "diverged"
     other_eval = run(
-        smoke_cfg(
-            tmp_path,
-            "mla_2-norm_joint",
-            "train.lr=5.0",
-            "train.warmup_steps=0",
-            "train.divergence_factor=1.05",
-            "train.tokens=8192",
-            "kv_measure_tokens=32",
+        run_config(
+            smoke_cfg(
+                tmp_path,
+                "mla_2-norm_joint",
+                "train.lr=5.0",
+                "train.warmup_steps=0",
+                "train.divergence_factor=1.05",
+                "train.tokens=8192",
+                "kv_measure_tokens=32",
+            )
         )
     )
     assert other_eval["status"] == "diverged" and "kept record" in other_eval["error"]  # known, not retrained
@@ -184,12 +188,17 @@ def test_a_local_folder_is_evaluated_as_an_ordinary_run(tmp_path):
         saved.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
 
-    plan = validate(local_cfg(tmp_path / "runs", tmp_path / "plain", "variant=original"))
-    assert (plan.shape.num_layers, plan.shape.num_kv_heads, plan.shape.head_dim, plan.spec) == (2, 2, 16, None)
+    plan = validate(run_config(local_cfg(tmp_path / "runs", tmp_path / "plain", "variant=original")))
+    assert (
+        plan.conversion.shape.num_layers,
+        plan.conversion.shape.num_kv_heads,
+        plan.conversion.shape.head_dim,
+        plan.conversion.spec,
+    ) == (2, 2, 16, None)
     with pytest.raises(ConfigError, match="variant=mla"):
-        validate(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=original"))
+        validate(run_config(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=original")))
 
-    record = run(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=mla"))
+    record = run(run_config(local_cfg(tmp_path / "runs", tmp_path / "mla", "variant=mla")))
     assert record["status"] == "ok" and record["variant"] == "partial_rope+svd"
     assert {k: record["mla"][k] for k in ("rope", "r", "svd", "d_kv")} == {
         "rope": "high",
@@ -208,10 +217,10 @@ def test_an_auto_precision_relaunch_resumes_in_the_mode_it_started_in_whatever_t
     monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (4.6, "probe"))  # bf16 pays here
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *extra)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(cfg, fail_at_step=3)
+        run(run_config(cfg), fail_at_step=3)
     monkeypatch.setattr(precision_module, "cpu_bf16_speedup", lambda *a: (1.2, "probe"))  # a busier machine
-    assert validate(cfg).precision.mode == "fp32"  # what a fresh run would now choose
-    resumed = run(cfg)
+    assert validate(run_config(cfg)).training.precision.mode == "fp32"  # what a fresh run would now choose
+    resumed = run(run_config(cfg))
     assert resumed["status"] == "ok" and resumed["resumed"] is True
     assert resumed["train"]["precision"]["mode"] == "bf16-autocast" and resumed["train"]["resumed_from_step"] == 2
     assert "earlier work" in resumed["train"]["precision"]["reason"]
@@ -224,13 +233,13 @@ def test_a_deferring_cell_ends_at_once_while_another_process_makes_its_trained_m
     from mha2mla_exp.runner.sweep import SweepFailed, SweepSummary
 
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", "trained_model_busy=defer")
-    trained = trained_model_for(validate(cfg))
+    trained = trained_model_for(validate(run_config(cfg)))
     trained.dir.mkdir(parents=True)
     with trained.lock():  # what a parallel cell holds while it fine-tunes
-        deferred = run(cfg)
+        deferred = run(run_config(cfg))
     assert deferred["status"] == "deferred" and "relaunch" in deferred["error"]
     assert deferred["train"] is None and not trained.complete()  # nothing trained, nothing waited for
-    done = run(cfg)  # the relaunch: the lock is free, so this cell makes the model
+    done = run(run_config(cfg))  # the relaunch: the lock is free, so this cell makes the model
     assert done["status"] == "ok" and trained.complete()
 
     cells = tmp_path / "sweep"

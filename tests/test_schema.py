@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from mha2mla_exp.confutil import CONF_DIR
 from mha2mla_exp.runner import config as runner_config
+from mha2mla_exp.runner import run_config
 from mha2mla_exp.runner.config import ConfigError, validate
 from mha2mla_exp.schema import sections
 from mha2mla_exp.schema.fields import setting
@@ -39,12 +40,12 @@ def replan(results: Path, monkeypatch) -> dict:
     """The record's hashes as today's code plans its config.yaml, on its launch's process count."""
     record = json.loads(results.read_text())
     monkeypatch.setenv("WORLD_SIZE", str(record.get("machine", {}).get("processes") or 1))
-    plan = validate(OmegaConf.load(results.with_name("config.yaml")), bf16_pays=_never_probe)
+    plan = validate(run_config(OmegaConf.load(results.with_name("config.yaml"))), bf16_pays=_never_probe)
     return {
-        "config_hash": plan.run_hash,
-        "trained_hash": plan.trained_hash,
-        "eval_hash": plan.eval_hash,
-        "setting_hash": plan.setting_hash,
+        "config_hash": plan.identity.run_hash,
+        "trained_hash": plan.identity.trained_hash,
+        "eval_hash": plan.identity.eval_hash,
+        "setting_hash": plan.identity.setting_hash,
     }
 
 
@@ -82,7 +83,7 @@ def test_a_new_option_with_a_default_moves_no_committed_hash(records, monkeypatc
     cfg = OmegaConf.load(sample[0][0].with_name("config.yaml"))
     cfg.train.a_new_knob = 4  # set away from its default, it is part of what the run is
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert validate(cfg, bf16_pays=_never_probe).trained_hash != before[0]["trained_hash"]
+    assert validate(run_config(cfg), bf16_pays=_never_probe).identity.trained_hash != before[0]["trained_hash"]
 
 
 def test_the_defaults_of_a_schema_version_are_pinned():
@@ -121,7 +122,7 @@ def test_a_bad_value_is_refused_naming_its_field_before_anything_loads(override,
             assert message.split(":")[0] in f"{err} {err.__cause__}"
             return
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        validate(run_config(cfg))
     assert message in str(err.value)
 
 
@@ -169,11 +170,11 @@ def test_a_recorded_config_re_plans_to_the_runs_own_hashes(overrides, monkeypatc
                 *overrides,
             ],
         )
-    plan = validate(cfg)
+    plan = validate(run_config(cfg))
     recorded = OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(plan.config)))
-    again = validate(recorded, bf16_pays=_never_probe)
-    assert (again.run_hash, again.setting_hash, again.conversion_hash) == (
-        plan.run_hash,
-        plan.setting_hash,
-        plan.conversion_hash,
+    again = validate(run_config(recorded), bf16_pays=_never_probe)
+    assert (again.identity.run_hash, again.identity.setting_hash, again.identity.conversion_hash) == (
+        plan.identity.run_hash,
+        plan.identity.setting_hash,
+        plan.identity.conversion_hash,
     )

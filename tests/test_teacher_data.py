@@ -177,7 +177,7 @@ def test_bad_generation_settings_are_refused_before_any_work(bad, field):
 
 
 def test_a_run_can_recover_on_teacher_text_while_calibration_and_held_out_stay_on_its_corpus(tmp_path, monkeypatch):
-    from mha2mla_exp.runner import ConfigError, run, validate
+    from mha2mla_exp.runner import ConfigError, run, run_config, validate
     from tests.test_runner import smoke_cfg
 
     monkeypatch.setenv("MHA2MLA_CACHE", str(tmp_path / "cache"))
@@ -193,7 +193,7 @@ def test_a_run_can_recover_on_teacher_text_while_calibration_and_held_out_stay_o
         "train.epochs_allowed=true",
     )
     cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *extra)
-    record = run(cfg)
+    record = run(run_config(cfg))
     assert record["status"] == "ok", record["error"]
     assert record["train_data"]["name"] == "teacher-samples" and record["train_data"]["generation"]["shards"] == 4
     assert record["data"]["name"] == "sotu"  # calibration and held-out: the run's corpus
@@ -201,12 +201,12 @@ def test_a_run_can_recover_on_teacher_text_while_calibration_and_held_out_stay_o
     assert ppl["heldout"] > 1 and ppl["heldout:teacher-samples"] > 1
     assert len(ppl["row_nll:teacher-samples"]) == len(ppl["row_tokens:teacher-samples"]) > 0
     assert "-teacher__" in record["run_name"]
-    plain = validate(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.tokens=512"))
-    assert plain.trained_hash != validate(cfg).trained_hash
+    plain = validate(run_config(smoke_cfg(tmp_path, "mla_2-norm_joint", "train.tokens=512")))
+    assert plain.identity.trained_hash != validate(run_config(cfg)).identity.trained_hash
     with pytest.raises(ConfigError, match="train.data.generation.count"):
-        validate(smoke_cfg(tmp_path, "mla_2-norm_joint", *extra[:1], "train.data.generation.count=0"))
+        validate(run_config(smoke_cfg(tmp_path, "mla_2-norm_joint", *extra[:1], "train.data.generation.count=0")))
     with pytest.raises(ConfigError, match="train.data: recovery text is set, but this run fine-tunes nothing"):
-        validate(smoke_cfg(tmp_path, "original", *extra[:1]))
+        validate(run_config(smoke_cfg(tmp_path, "original", *extra[:1])))
     json.dumps(record)  # the record stays JSON
 
 

@@ -219,11 +219,11 @@ def _plan(*overrides):
     from hydra import compose, initialize_config_dir
 
     from mha2mla_exp.confutil import CONF_DIR
-    from mha2mla_exp.runner import validate
+    from mha2mla_exp.runner import run_config, validate
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         smoke = ["+experiment=smoke", "rope.r=2", "svd.d_kv=8"]
-        return validate(compose(config_name="config", overrides=[*smoke, *overrides]))
+        return validate(run_config(compose(config_name="config", overrides=[*smoke, *overrides])))
 
 
 def test_the_runner_refuses_a_layer_choice_the_model_lacks_before_loading():
@@ -233,7 +233,7 @@ def test_the_runner_refuses_a_layer_choice_the_model_lacks_before_loading():
         _plan("svd.convert_layers=global")  # a random Llama: no sliding layer
     gemma = ["model.family=gemma3_text", "model.shape.key_norm=head", "model.shape.num_layers=6"]
     plan = _plan(*gemma, "svd.convert_layers=global")  # Gemma-3's pattern: 5 sliding layers, 1 global
-    assert plan.spec.convert_layers == "global" and "-global-layers" in plan.spec.name_parts()[0]
+    assert plan.conversion.spec.convert_layers == "global" and "-global-layers" in plan.conversion.spec.name_parts()[0]
     with pytest.raises(ConfigError, match="svd.convert_layers"):
         _plan("svd.convert_layers=most")
 

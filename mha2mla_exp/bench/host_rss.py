@@ -62,7 +62,7 @@ def estimate(processes: int) -> dict:
     from hydra import compose, initialize_config_dir
 
     from ..confutil import CONF_DIR
-    from ..runner import validate
+    from ..runner import run_config, validate
 
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(processes)
@@ -70,16 +70,16 @@ def estimate(processes: int) -> dict:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             # gpu_memory_gb asks for the memory plan; a CPU run is not refused by it
             cfg = compose(config_name="config", overrides=[*MODEL, *RUN, "train.gpu_memory_gb=1000"])
-        plan = validate(cfg)
+        plan = validate(run_config(cfg))
     finally:
         if previous is None:
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = previous
-    host = plan.host_memory
+    host = plan.training.host_memory
     return {
         "describe": host.describe(),
-        "parameters": plan.memory.parameters,
+        "parameters": plan.training.memory.parameters,
         "runtime_bytes": host.runtime_bytes,
         "main_parts": host.main,
         "other_parts": host.other,

@@ -11,7 +11,7 @@ results are written to `samples_path` when given (`samples.py`).
 in: the model is cast to it in place after the held-out perplexity (which stays in the model's dtype, like the
 in-training probe), and log-softmax runs in fp32 either way. The record's `meta.dtype` and
 `meta.perplexity_dtype` state what ran. (The runner always passes a dtype: `eval.dtype` resolved, see
-runner.config.resolve_eval_dtype.) Device and casts are the `placement`'s (placement.py: the same for every row;
+evaluation.plan.resolve_eval_dtype.) Device and casts are the `placement`'s (placement.py: the same for every row;
 the runner passes the run's own).
 
 Under several processes every one calls `run_evaluation`: each computes the held-out perplexity (so that all
@@ -21,6 +21,7 @@ the cache bytes and `meta.ranks` are gathered onto rank 0, whose return value is
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -89,6 +90,16 @@ def held_out_sample(rows, documents, p: PerplexityConfig) -> tuple[object, dict]
         "documents": int(documents.unique().numel()),
     }
     return held_out_batches(rows[index], p.batch_size), info
+
+
+def held_out_probe(rows: PerplexityConfig, batches: int, data):
+    """The in-training recovery probe: held-out perplexity on `batches` batches (`train.eval_batches`) of held-out
+    rows, chosen as the final evaluation chooses its rows (`rows`: `eval.perplexity`, data/held_out.py; the same rows
+    for every run); the fine-tune calls it before its first step, every `train.eval_every` steps and after its last."""
+    probe = dataclasses.replace(rows, max_batches=batches)
+    sample, _ = held_out_sample(data.held_out, data.held_out_documents(), probe)
+    sample = list(sample)
+    return lambda model: {"heldout_ppl_probe": perplexity(model, sample)}
 
 
 def run_evaluation(

@@ -69,61 +69,28 @@ def check_architecture(model: nn.Module) -> None:
 
 def convert_to_mla(
     model: nn.Module,
+    spec: MLASpec | None = None,
     *,
-    rope: str,
-    r: int | None = None,
-    svd: str,
-    d_kv: int | None = None,
-    score: str = "product",
-    sigma: str = "up",
-    init: str = "weight",
-    allocation: str = "uniform",
-    kv_elements: int | None = None,
-    rope_pairs: int | None = None,
-    nope_keys: str = "plain",
-    key_weight: float | None = 1.0,
-    convert_layers: str = "all",
     calibration: Iterable | None = None,
     selection: Iterable | None = None,
+    **options,
 ) -> MLAForCausalLM:
     """Convert a causal LM (MHA or GQA) of a supported family (mla/families.py: Llama, Mistral, Qwen2/3 and
-    their MoE, OLMo-2, Gemma-2/3, Phi-3) to MLA; see METHOD.md and docs/ARCHITECTURE.md. Everything but the
-    attention stays the family's own.
+    their MoE, OLMo-2, Gemma-2/3, Phi-3) to MLA as `spec` says; see METHOD.md and docs/ARCHITECTURE.md. Everything
+    but the attention stays the family's own.
 
-    rope: a registered RoPE strategy (full | none | high | low | uniform | 2-norm | rorope | ...), keeping
-    `r` frequency pairs per KV head. svd: joint | split | none, with latent width `d_kv` per KV head;
-    `init` a registered low-rank init (weight = the paper's plain SVD | activation | bkv | output);
-    `allocation`: 'uniform' (n_kv*d_kv per layer) or 'global' (the same total, spread over the layers by the
-    init's objective). `kv_elements` (rope='rorope', svd='joint', no d_kv): a budget of cached elements per
-    token and layer, `rope_pairs` rotated pairs in every layer and a latent of the rest; with `rope_pairs`
-    null, the count whose whole conversion has the lowest next-token loss on `selection` (input_ids batches,
-    not the held-out rows; mla/budget.py); with `allocation='measured'` the latent's width then differs
-    between layers by the same loss, its total (so the cache's bytes) kept. `nope_keys`: the keys of pairs
-    that lose RoPE, 'plain' (the paper) or 'attended' (scaled by their attended rotation; mla/nope_keys.py).
-    `key_weight` multiplies the init's weight on the NoPE keys' error in the joint SVD (None: searched, under a
-    KV budget). `convert_layers`: which attention layers become MLA, 'all', 'global' (the full-attention ones:
-    sliding-window layers keep the family's attention and its windowed cache) or 'sliding' (the reverse).
-    `calibration` is an iterable of input_ids batches, required by the strategies and inits that
-    read statistics. The original model is left untouched: the converted one owns copies of every weight.
+    `spec`: what to do (`MLASpec`, whose fields document each option; a run builds it from its config with
+    `MLASpec.from_sections`), checked again against this model's shape. Without a spec, `options` are
+    `MLASpec.create`'s keywords (`convert_to_mla(model, rope="2-norm", r=2, svd="joint", d_kv=8)`).
+    `calibration`: an iterable of input_ids batches, required by the strategies and inits that read statistics.
+    `selection`: the batches a KV budget's searches score each candidate on (not the held-out rows;
+    mla/budget.py). The original model is left untouched: the converted one owns copies of every weight.
     """
     check_architecture(model)
     shape = ModelShape.from_config(model.config)
-    spec = MLASpec.create(
-        shape,
-        rope=rope,
-        r=r,
-        svd=svd,
-        d_kv=d_kv,
-        score=score,
-        sigma=sigma,
-        init=init,
-        allocation=allocation,
-        kv_elements=kv_elements,
-        rope_pairs=rope_pairs,
-        nope_keys=nope_keys,
-        key_weight=key_weight,
-        convert_layers=convert_layers,
-    )
+    if spec is not None and options:
+        raise TypeError(f"convert_to_mla: give a spec or its options, not both (got {', '.join(options)})")
+    spec = MLASpec.create(shape, **(spec.to_dict() if spec is not None else options))
     converted_layers(attention_windows(model.config), spec.convert_layers)  # the layers asked for exist
     if spec.needs_calibration and calibration is None:
         raise ValueError(

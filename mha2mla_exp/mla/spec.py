@@ -7,7 +7,8 @@ registries (`mla/rope/`, `mla/lowrank_init/`), which also say what calibration t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import re
+from dataclasses import asdict, dataclass, fields, replace
 
 from ..schema.sections import ALLOCATIONS  # noqa: F401  (re-exported: the accepted set, declared with its help)
 from . import nope_keys as nope
@@ -66,14 +67,15 @@ class ModelShape:
         return norm_groups(self.key_norm, self.num_kv_heads)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MLASpec:
-    """A validated conversion recipe (see METHOD.md). Build it with `MLASpec.create`."""
+    """A validated conversion recipe (see METHOD.md). Build it with `MLASpec.create`, or from a run config's
+    sections with `MLASpec.from_sections`."""
 
-    rope: str
-    r: int | None  # None under a KV budget (kv_elements): the pairs per layer are its split
-    svd: str
-    d_kv: int | None
+    rope: str  # a registered RoPE strategy (mla/rope/)
+    r: int | None = None  # pairs kept per KV head; None under a KV budget (kv_elements): its split decides
+    svd: str  # joint | split | none
+    d_kv: int | None = None  # the latent's width per KV head (svd joint | split)
     score: str = "product"
     sigma: str = "up"
     init: str = "weight"
@@ -85,26 +87,14 @@ class MLASpec:
     convert_layers: str = "all"  # which attention layers become MLA (CONVERT_LAYERS; `converted_layers`)
 
     @classmethod
-    def create(
-        cls,
-        shape: ModelShape,
-        *,
-        rope: str,
-        r: int | None,
-        svd: str,
-        d_kv: int | None = None,
-        score: str = "product",
-        sigma: str = "up",
-        init: str = "weight",
-        allocation: str = "uniform",
-        kv_elements: int | None = None,
-        rope_pairs: int | None = None,
-        nope_keys: str = "plain",
-        key_weight: float | None = 1.0,
-        convert_layers: str = "all",
-    ) -> "MLASpec":
+    def create(cls, shape: ModelShape, **options) -> "MLASpec":
         """Check every field against `shape`; raise ValueError naming the field on bad input. Whether the model
-        has the layers `convert_layers` asks for is checked against its windows (`converted_layers`)."""
+        has the layers `convert_layers` asks for is checked against its windows (`converted_layers`). `options`: the
+        fields (a missing or unknown one is a TypeError), each field's default where not given."""
+        asked = cls(**options)
+        rope, r, svd, d_kv, score, sigma = asked.rope, asked.r, asked.svd, asked.d_kv, asked.score, asked.sigma
+        init, allocation, kv_elements, rope_pairs = asked.init, asked.allocation, asked.kv_elements, asked.rope_pairs
+        nope_keys, key_weight, convert_layers = asked.nope_keys, asked.key_weight, asked.convert_layers
         strategy = ROPE_STRATEGIES.get(rope)
         _check_choice("nope_keys", nope_keys, nope.NOPE_KEYS)
         _check_choice("convert_layers", convert_layers, CONVERT_LAYERS)
@@ -136,21 +126,7 @@ class MLASpec:
             )
         if kv_elements is not None or rope_pairs is not None:  # r has no meaning: the budget's split decides
             _check_budget(shape, strategy, svd, d_kv, allocation, kv_elements, rope_pairs)
-            return cls(
-                rope=rope,
-                r=None,
-                svd=svd,
-                d_kv=None,
-                score=score,
-                sigma=sigma,
-                init=init,
-                allocation=allocation,
-                kv_elements=kv_elements,
-                rope_pairs=rope_pairs,
-                nope_keys=nope_keys,
-                key_weight=key_weight,
-                convert_layers=convert_layers,
-            )
+            return replace(asked, r=None, key_weight=key_weight)
         if allocation == "measured":
             raise ValueError(
                 "allocation='measured' needs kv_elements: it spreads a KV budget's latent over the layers "
@@ -181,19 +157,21 @@ class MLASpec:
                     f"at most {limit} per KV head for this model (head_dim={shape.head_dim}, "
                     f"hidden_size={shape.hidden_size}, num_kv_heads={shape.num_kv_heads})"
                 )
-        return cls(
-            rope=rope,
-            r=r,
-            svd=svd,
-            d_kv=d_kv,
-            score=score,
-            sigma=sigma,
-            init=init,
-            allocation=allocation,
-            nope_keys=nope_keys,
-            key_weight=key_weight,
-            convert_layers=convert_layers,
-        )
+        return replace(asked, r=r, key_weight=key_weight)
+
+    @classmethod
+    def from_sections(cls, rope, svd, shape: ModelShape) -> "MLASpec":
+        """The conversion a run config's `rope` and `svd` sections describe (schema RopeConfig / SvdConfig), checked
+        against `shape`; the ValueError names the config field it came from (`SECTION_FIELDS`). `rope.r` null: the
+        strategy's default."""
+        sections = {"rope": rope, "svd": svd}
+        options = {name: getattr(sections[section], key) for name, (section, key) in SECTION_FIELDS.items()}
+        if options["r"] is None:
+            options["r"] = default_r(options["rope"], shape.head_dim)
+        try:
+            return cls.create(shape, **options)
+        except ValueError as err:
+            raise ValueError(f"{_config_field(str(err))}{err}") from err
 
     @classmethod
     def recorded(cls, mla: dict) -> "MLASpec":
@@ -255,6 +233,65 @@ class MLASpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """What a run does to the model's attention: `variant` original | finetuned_full_attention (kept as it is) or
+    mla (converted as `spec` says, or a saved conversion's own spec), on a model of `shape`."""
+
+    variant: str
+    shape: ModelShape
+    spec: MLASpec | None = None  # None: the model is not converted
+
+    @property
+    def table_variant(self) -> str:
+        """The paper's row kind: original, finetuned_full_attention, partial_rope, partial_rope+svd."""
+        if self.spec is None:
+            return self.variant
+        return "partial_rope" if self.spec.svd == "none" else "partial_rope+svd"
+
+    def describe(self) -> list[str]:
+        """The dry run's lines for the conversion part."""
+        if self.spec is None:
+            return [f"none ({self.variant})"]
+        rope, latent = self.spec.name_parts()
+        needs = ", ".join(self.spec.statistics) or "none"
+        return [
+            f"{rope} / {latent}: KV cache {kv_ratio(self.shape, self.spec) - 1:+.2%} against the original's, "
+            "per token and converted layer",
+            f"calibration statistics: {needs}"
+            + ("; a selection sample (KV-budget search)" if self.spec.searches else ""),
+        ]
+
+
+# each spec field -> (section, field) of the run config that states it (schema RopeConfig / SvdConfig)
+SECTION_FIELDS = {
+    "rope": ("rope", "strategy"),
+    "r": ("rope", "r"),
+    "score": ("rope", "score"),
+    "nope_keys": ("rope", "nope_keys"),
+    "svd": ("svd", "method"),
+    "d_kv": ("svd", "d_kv"),
+    "sigma": ("svd", "sigma"),
+    "init": ("svd", "init"),
+    "allocation": ("svd", "allocation"),
+    "kv_elements": ("svd", "kv_elements"),
+    "rope_pairs": ("svd", "rope_pairs"),
+    "key_weight": ("svd", "key_weight"),
+    "convert_layers": ("svd", "convert_layers"),
+}
+_SHAPE_FIELDS = ("head_dim", "num_heads")  # a shape error: the model's shape facts
+
+
+def _config_field(message: str) -> str:
+    """'rope.strategy: ' for an error about a spec field ('unknown rope=...', 'r=9 is outside...',
+    'd_kv is required...'), 'model.shape: ' for one about the shape, else ''."""
+    match = re.match(r"(?:unknown )?([a-z_]+)", message)
+    name = match.group(1) if match else None
+    if name in SECTION_FIELDS:
+        return ".".join(SECTION_FIELDS[name]) + ": "
+    return "model.shape: " if name in _SHAPE_FIELDS else ""
 
 
 def default_r(rope: str, head_dim: int) -> int | None:

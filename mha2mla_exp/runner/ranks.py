@@ -21,20 +21,18 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..schema.sections import DistributedConfig
-
 log = logging.getLogger(__name__)
 
 SLOW_EVAL_ENV = "MHA2MLA_SLOW_EVAL_S"  # tests only: the main process's evaluation takes this many seconds longer
 
 
-def process_state(device: str, distributed: DistributedConfig) -> PartialState:
+def process_state(device: str, timeout_s: float) -> PartialState:
     """accelerate's view of this launch on `device` (the run's, `auto` or a kind), its process group created with
-    the configured collective timeout (`distributed.timeout_s`)."""
+    the collective timeout `timeout_s` (`distributed.timeout_s`)."""
     on_cpu = str(device).startswith("cpu") or not torch.cuda.is_available()
     kwargs = {}
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        kwargs["timeout"] = datetime.timedelta(seconds=float(distributed.timeout_s))
+        kwargs["timeout"] = datetime.timedelta(seconds=float(timeout_s))
     return PartialState(cpu=on_cpu, **kwargs)
 
 

@@ -1,5 +1,8 @@
-"""One run, end to end: validate -> data -> (load -> calibrate -> convert -> distill -> fine-tune -> keep) or
-reuse the kept trained model -> measure -> evaluate -> record. Finished runs are skipped, interrupted ones resume.
+"""One run, end to end, in the order this file reads: plan (`run` -> `plan_run`: each layer plans its own stage,
+runner/config.py) -> skip a finished run or print the plan (`dry_run`) -> data -> (load -> calibrate -> convert ->
+distill -> fine-tune -> keep) or reuse the kept trained model -> measure -> evaluate -> record. Finished runs are
+skipped, interrupted ones resume. Each stage receives its own part of the plan (`plan.conversion.spec`,
+`plan.training`, `plan.evaluation`) and the config sections it reads, never the whole plan.
 
 One lock per run folder (runner/lock.py) is taken before the record is read and held to the final record: a second
 launch of a setting that runs ends at once with status `busy` (`run_busy=wait`: it waits), a dead run's lock is
@@ -25,18 +28,19 @@ import time
 import traceback
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ..atomic import write_text
 from ..data import prepare_data
+from ..evaluation.run import held_out_probe
 from ..faults import fault_point
 from ..mla.lowrank import FACTOR_SPLIT
 from ..models import load_tokenizer
-from ..schema.sections import DistributedConfig, RunConfig
+from ..schema.sections import RunConfig
 from ..train import FineTuneDiverged, finetune, remove_checkpoint, sharding
 from ..train.recipe import CHECKPOINT_DIR, note_peak_rss, recover_checkpoint
 from . import stages
-from .config import ConfigError, RunPlan, describe, describe_conversion, describe_trained, run_config, validate
+from .config import ConfigError, RunPlan, validate
 from .lock import FolderBusy, FolderLock
 from .ranks import (
     SLOW_EVAL_ENV,
@@ -52,24 +56,14 @@ from .trained import TrainedModel
 log = logging.getLogger(__name__)
 
 
-def run_dir_for(plan: RunPlan) -> Path:
-    return Path(plan.config.results_dir) / plan.config.experiment / f"{describe(plan)}-{plan.run_hash}"
-
-
-def trained_model_for(plan: RunPlan) -> TrainedModel:
-    return TrainedModel(plan.config.results_dir, describe_trained(plan), plan.trained_hash)
-
-
-def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict:
-    """Execute (or skip, or resume) the run `cfg` describes; return its results record (the main process's).
-    The composed config becomes the typed RunConfig here, once; from the plan on, each stage reads the sections
-    it needs from `plan.config` (the typed config with what this machine resolved)."""
-    config = run_config(cfg)
-    dist = process_state(config.device, config.distributed)
+def run(config: RunConfig, *, fail_at_step: int | None = None) -> dict:
+    """Execute (or skip, or resume) the run `config` describes (the typed config: `run_config` at the app's entry);
+    return its results record (the main process's). From the plan on, each stage receives its own part of it."""
+    dist = process_state(config.device, config.distributed.timeout_s)
     plan = plan_run(config, dist)  # every config error surfaces here, before any weight is touched
     run_dir = run_dir_for(plan)
-    if plan.config.dry_run:  # reads, writes nothing: no lock
-        return _finished(plan, run_dir, dist) or _plan_only(plan, run_dir, dist)
+    if config.dry_run:  # reads, writes nothing: no lock
+        return _finished(run_dir, dist, rerun=False) or _plan_only(plan, run_dir, dist)
     lock, busy = FolderLock(run_dir), None
     if dist.is_main_process:
         try:
@@ -82,18 +76,58 @@ def run(cfg: DictConfig | RunConfig, *, fail_at_step: int | None = None) -> dict
             print(f"[mha2mla_exp] {busy}")
         return {"status": BUSY, "error": busy, "run_name": run_dir.name, "run_dir": str(run_dir)}
     try:
-        return _finished(plan, run_dir, dist) or _run_locked(plan, run_dir, dist, fail_at_step)
+        return _finished(run_dir, dist, rerun=config.rerun) or _run_locked(plan, run_dir, dist, fail_at_step)
     finally:
         if dist.is_main_process:
             lock.release()
 
 
-def _finished(plan: RunPlan, run_dir: Path, dist) -> dict | None:
-    """The run's finished record, unless `rerun=true` asks for it to be made again; None: there is work."""
+def plan_run(config: RunConfig, dist, bf16_pays=None) -> RunPlan:
+    """The validated plan, `auto` precision and `eval.dtype=fastest` decided once for every process. A probe
+    decides a fresh run, never a relaunch: where `train.precision=auto` on CPU finds work of this run only
+    under the other mode (a checkpoint, a kept model, a record: a busier machine can time bf16 the other way),
+    the run goes on in that mode, under its identity. `bf16_pays`: a verdict to use instead of the probe's."""
+    bf16_pays = bf16_pays or shared_bf16_verdict(dist)
+    plan = validate(config, bf16_pays=bf16_pays)
+    if config.train.precision != "auto" or plan.training.precision is None or plan.launch.device_type != "cpu":
+        return plan
+    if same_on_every_rank(_has_work(trained_model_for(plan), run_dir_for(plan)), dist):
+        return plan  # the usual case: no second validation at start-up
+    other_mode = copy.deepcopy(config)
+    other_mode.train.precision = "fp32" if plan.training.precision.mode == "bf16-autocast" else "bf16-autocast"
+    other = validate(other_mode, bf16_pays=bf16_pays)
+    if same_on_every_rank(_has_work(trained_model_for(other), run_dir_for(other)), dist):
+        mode = other.training.precision.mode
+        log.warning("train.precision=auto: this run's work so far is in %s; going on in it", mode)
+        reason = f"auto on CPU: {mode}, the mode this run's earlier work was done in"
+        precision = dataclasses.replace(other.training.precision, reason=reason)
+        return dataclasses.replace(other, training=dataclasses.replace(other.training, precision=precision))
+    return plan
+
+
+def _has_work(trained: TrainedModel, run_dir: Path) -> bool:
+    return (
+        trained.complete()
+        or (trained.dir / "checkpoint" / "progress.json").exists()
+        or (run_dir / "results.json").exists()
+    )
+
+
+def run_dir_for(plan: RunPlan) -> Path:
+    identity = plan.identity
+    return Path(plan.config.results_dir) / plan.config.experiment / f"{identity.name}-{identity.run_hash}"
+
+
+def trained_model_for(plan: RunPlan) -> TrainedModel:
+    return TrainedModel(plan.config.results_dir, plan.identity.trained_name, plan.identity.trained_hash)
+
+
+def _finished(run_dir: Path, dist, *, rerun: bool) -> dict | None:
+    """The run's finished record, unless `rerun` asks for it to be made again; None: there is work."""
     previous = read_results(run_dir)
     if not previous or previous.get("status") not in FINAL_STATUSES:
         return None
-    if plan.config.rerun and not plan.config.dry_run:
+    if rerun:
         log.warning("rerun=true: replacing the finished (%s) record of %s", previous["status"], run_dir)
         return None
     if dist.is_main_process:
@@ -101,29 +135,76 @@ def _finished(plan: RunPlan, run_dir: Path, dist) -> dict | None:
     return previous | {"run_dir": str(run_dir)}
 
 
+def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
+    """`dry_run=true`: what the run would do, part by part as each layer describes its own (nothing loaded,
+    nothing written)."""
+    config = plan.config
+    trained = trained_model_for(plan)
+    kept = f"trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})"
+    corpus = config.train.data or config.data
+    parts = {
+        "conversion": plan.conversion.describe(),
+        "training": plan.training.describe(config.train, config.distill.sequences, config.distill.epochs)
+        + ([kept] if plan.training.trains else [])
+        + (_mixture_shares(corpus, config.model) if plan.training.fine_tune and corpus.mixture else []),
+        "evaluation": plan.evaluation.describe(config.eval),
+        "launch": plan.launch.describe() + [f"REFUSED as launched: {why}" for why in plan.training.refused],
+    }
+    lines = [f"[mha2mla_exp] plan: {run_dir}"]
+    for part, described in parts.items():
+        lines.append(f"  {part}:")
+        lines += [f"    {line}" for line in described]
+    if dist.is_main_process:
+        print("\n".join(lines))
+    status = "refused" if plan.training.refused else "blocked" if plan.launch.blocked else "planned"
+    return {
+        "status": status,
+        "error": "; ".join(plan.training.refused + plan.launch.blocked) or None,
+        "run_name": run_dir.name,
+        "run_dir": str(run_dir),
+    }
+
+
+def _mixture_shares(corpus, model) -> list[str]:
+    """A streamed mixture's token shares (and where the paper's mixture was released)."""
+    from ..data.sources import mixture_token_shares
+
+    source = model.paper_recipe.mixture_source if model.paper_recipe else None
+    return [
+        "mixture, token shares: "
+        + ", ".join(f"{name} {share:.1%}" for name, share in mixture_token_shares(corpus))
+        + (f" (released: {source})" if source and corpus.name == "smollm-corpus" else "")
+    ]
+
+
 def _run_locked(plan: RunPlan, run_dir: Path, dist, fail_at_step) -> dict:
     """The run itself, under its folder's lock."""
     config = plan.config
     previous = read_results(run_dir)
-    for note in plan.notes:
+    for note in plan.launch.notes:
         log.warning("not checked before loading: %s", note)
 
     # the inputs before any weight: a budget the corpus cannot hold is a config error, found in seconds
     tokenizer = load_tokenizer(config.model)  # the tokenizer alone: data and budget checked before any weight
     with dist.main_process_first():  # the token cache is written once
         data = prepare_data(config.data, tokenizer)
-        train_data = stages.prepare_training_data(config.train, tokenizer)  # None: the fine-tune reads `data`
+        # the fine-tune's own corpus where `train.data` names one (e.g. text the teacher writes); else it reads `data`
+        train_data = (
+            prepare_data(config.train.data, tokenizer)
+            if plan.training.fine_tune and config.train.data is not None
+            else None
+        )
     rows, also = None, {}
-    if plan.fine_tune:
+    if plan.training.fine_tune:
         try:
-            rows = stages.training_rows(plan, train_data or data, dist.num_processes)
+            rows = stages.training_rows(config.train, plan.training.budget.tokens, train_data or data, config.seed)
             also = stages.also_held_out(data, train_data)
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
     main = dist.is_main_process
     trained = trained_model_for(plan)
-    placement = stages.placement(config.model, plan.eval_dtype, dist.device)
+    placement = plan.evaluation.placement(dist.device)
     placement.apply_matmul_precision()  # from here on: calibration, training and perplexity alike
     record = {
         "run_name": run_dir.name,
@@ -132,28 +213,28 @@ def _run_locked(plan: RunPlan, run_dir: Path, dist, fail_at_step) -> dict:
         "status": "running",
         "error": None,
         "resumed": previous is not None,
-        "config_hash": plan.run_hash,
-        "trained_hash": plan.trained_hash,
-        "eval_hash": plan.eval_hash,
-        "setting_hash": plan.setting_hash,
+        "config_hash": plan.identity.run_hash,
+        "trained_hash": plan.identity.trained_hash,
+        "eval_hash": plan.identity.eval_hash,
+        "setting_hash": plan.identity.setting_hash,
         "model": {
             "name": config.model.name,
             "paper_name": config.model.paper_name,
             "pretrain_tokens": config.model.pretrain_tokens,
         },
-        "variant": plan.table_variant,
-        "mla": plan.spec.to_dict() if plan.spec else None,
-        "kv_quant": plan.kv_quant.to_dict() if plan.kv_quant else None,
+        "variant": plan.conversion.table_variant,
+        "mla": plan.conversion.spec.to_dict() if plan.conversion.spec else None,
+        "kv_quant": plan.evaluation.kv_quant.to_dict() if plan.evaluation.kv_quant else None,
         "data": dict(data.stats),
         "train_data": dict(train_data.stats) if train_data is not None else None,
-        "trained_model": str(trained.dir) if plan.trains else None,
+        "trained_model": str(trained.dir) if plan.training.trains else None,
         "kv": None,
         "train": None,
         "eval": None,
         "timings": {},
         "machine": machine_info(dist.device, processes=dist.num_processes),
         "placement": placement.to_record() | {"evaluating_processes": dist.num_processes},
-        "notes": list(plan.notes),
+        "notes": list(plan.launch.notes),
     }
     tracker = _Tracker(config, run_dir, {k: record[k] for k in IDENTITY_FIELDS}) if main else _Tracker.off()
     if main:
@@ -169,11 +250,11 @@ def _run_locked(plan: RunPlan, run_dir: Path, dist, fail_at_step) -> dict:
         )
         try:
             if main:
-                if plan.trains and trained.metrics_path.exists():
+                if plan.training.trains and trained.metrics_path.exists():
                     write_text(run_dir / "metrics.jsonl", trained.metrics_path.read_text())
                 write_json_atomic(run_dir / "results.json", record)  # the expensive part is on disk
                 fault_point("record.model_ready")
-            _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, dist)
+            _evaluate(plan, model, tokenizer, data, record, run_dir, also, dist)
         finally:  # also when the evaluation fails: the sweep's next cell starts on every process together
             wait_for_main_process(dist, config.distributed.eval_wait_s)
         record["status"] = "ok"
@@ -197,128 +278,22 @@ def _run_locked(plan: RunPlan, run_dir: Path, dist, fail_at_step) -> dict:
     return record
 
 
-def plan_run(cfg: DictConfig | RunConfig, dist, bf16_pays=None) -> RunPlan:
-    """The validated plan, `auto` precision and `eval.dtype=fastest` decided once for every process. A probe
-    decides a fresh run, never a relaunch: where `train.precision=auto` on CPU finds work of this run only
-    under the other mode (a checkpoint, a kept model, a record: a busier machine can time bf16 the other way),
-    the run goes on in that mode, under its identity. `bf16_pays`: a verdict to use instead of the probe's."""
-    bf16_pays = bf16_pays or shared_bf16_verdict(dist)
-    config = run_config(cfg)
-    plan = validate(config, bf16_pays=bf16_pays)
-    if config.train.precision != "auto" or plan.precision is None or plan.device_type != "cpu":
-        return plan
-    if same_on_every_rank(_has_work(plan), dist):  # the usual case: no second validation at start-up
-        return plan
-    other_mode = copy.deepcopy(config)
-    other_mode.train.precision = "fp32" if plan.precision.mode == "bf16-autocast" else "bf16-autocast"
-    other = validate(other_mode, bf16_pays=bf16_pays)
-    if same_on_every_rank(_has_work(other), dist):
-        log.warning("train.precision=auto: this run's work so far is in %s; going on in it", other.precision.mode)
-        reason = f"auto on CPU: {other.precision.mode}, the mode this run's earlier work was done in"
-        return dataclasses.replace(other, precision=dataclasses.replace(other.precision, reason=reason))
-    return plan
-
-
-def _has_work(plan: RunPlan) -> bool:
-    trained = trained_model_for(plan)
-    return (
-        trained.complete()
-        or (trained.dir / "checkpoint" / "progress.json").exists()
-        or (run_dir_for(plan) / "results.json").exists()
-    )
-
-
-def _plan_only(plan: RunPlan, run_dir: Path, dist) -> dict:
-    """`dry_run=true`: what the run would do, from the config alone (nothing loaded, nothing written)."""
-    config = plan.config
-    lines = [f"[mha2mla_exp] plan: {run_dir}"]
-    if plan.trains:
-        trained = trained_model_for(plan)
-        lines.append(f"  trained model: {trained.dir} ({'kept: reused' if trained.complete() else 'to train'})")
-    if plan.fine_tune:
-        from ..train import plan_budget
-
-        budget = plan_budget(
-            config.train, pretrain_tokens=config.model.pretrain_tokens, num_processes=dist.num_processes
-        )
-        lines.append(
-            f"  fine-tune: {budget.steps:,} steps x {budget.tokens_per_step:,} tokens = {budget.tokens:,} "
-            f"tokens on {dist.num_processes} process(es), {plan.precision.mode} ({plan.precision.reason})"
-        )
-        lines.append(
-            f"  step: {'chunked loss' if config.train.fused_loss else 'full logits'}, "
-            f"{config.train.optimizer_impl} AdamW (train.fused_loss, train.optimizer_impl)"
-        )
-        lines.append(f"  lr schedule: {plan.schedule.describe()} (peak lr {float(config.train.lr):g})")
-        if plan.launch is not None:
-            lines.append(f"  processes: {plan.launch.describe()}")
-            lines.append(f"  wall time: {plan.launch.expected_wall.describe()}")
-        if plan.memory is not None:
-            lines.append(f"  GPU memory: {plan.memory.describe()}")
-        if plan.host_memory is not None:
-            from ..train.memory import checkpoint_bytes_per_process
-
-            lines.append(f"  host memory: {plan.host_memory.describe()}")
-            written = checkpoint_bytes_per_process(
-                parameters=plan.memory.parameters, processes=plan.memory.processes, strategy=plan.memory.strategy
-            )
-            lines.append(
-                f"  checkpoint: {written / 1e9:.1f} GB from the busiest process every "
-                f"{config.train.checkpoint_every} steps and at a stop signal"
-            )
-    corpus = config.train.data or config.data
-    if plan.fine_tune and corpus.mixture:
-        from ..data.sources import mixture_token_shares
-
-        shares = mixture_token_shares(corpus)
-        source = config.model.paper_recipe.mixture_source if config.model.paper_recipe else None
-        lines.append(
-            "  mixture, token shares: "
-            + ", ".join(f"{name} {share:.1%}" for name, share in shares)
-            + (f" (released: {source})" if source and corpus.name == "smollm-corpus" else "")
-        )
-    lines.append(f"  evaluation dtype: {plan.eval_dtype} ({plan.eval_dtype_reason})")
-    lines += [f"  note: {note}" for note in plan.notes]
-    lines += [f"  blocked on this machine: {why}" for why in plan.blocked]
-    lines += [f"  REFUSED as launched: {why}" for why in plan.refused]
-    if dist.is_main_process:
-        print("\n".join(lines))
-    status = "refused" if plan.refused else "blocked" if plan.blocked else "planned"
-    return {
-        "status": status,
-        "error": "; ".join(plan.refused + plan.blocked) or None,
-        "run_name": run_dir.name,
-        "run_dir": str(run_dir),
-    }
-
-
-def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:
-    record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
-    if main:
-        write_json_atomic(run_dir / "results.json", record)
-        fault_point(f"record.{record['status']}")
-        tracker.finish(record)
-
-
 def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     """The model this run evaluates, on every process: converted (untrained runs), or trained and kept, or the
     kept one reused. A model trained here is evaluated as it was kept (loaded back by every process, as a reuse
     loads it), so neither where the training left its copy (FSDP: the host, or nowhere but the main process) nor
     its training dtype decides the evaluation."""
     timings = record["timings"]
-    if not plan.trains:
+    if not plan.training.trains:
         t = time.perf_counter()
-        where = stages.placement(plan.config.model, plan.eval_dtype, dist.device)
-        model, _ = stages.load(plan.config.model, where, dist.device)
+        model, _ = stages.load(plan.config.model, plan.evaluation.placement(dist.device), dist.device)
         record["model"]["params_original"] = stages.count_parameters(model)
-        record["model"].update(stages.source_commit(plan.config.model, model))
+        record["model"].update(stages.source_commit(plan.config.model.source, model))
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        model = stages.convert(
-            plan, model, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
-        )
+        model = stages.convert(plan.conversion.spec, plan.config, model, data)
         timings["convert_s"] = round(time.perf_counter() - t, 3)
-        _describe_model(record, plan, model)
+        _describe_model(record, model)
         return model
 
     if (
@@ -343,7 +318,7 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
             timings["load_s"] = round(time.perf_counter() - t, 3)
             record.update({k: v for k, v in info.items() if k in ("train", "distill", "rope_pairs")})
             record["model"].update(info["model"])
-            _describe_model(record, plan, model)  # the conversion's facts live in the kept model's config
+            _describe_model(record, model)  # the conversion's facts live in the kept model's config
             _stage_seconds(record)
             record["reused_trained_model"] = True
             log.info("reusing the kept trained model %s", trained.dir)
@@ -356,7 +331,7 @@ def _model_for_evaluation(plan, trained, tokenizer, data, rows, record, dist, tr
                     trained.dir / "trained.json",
                     {
                         "status": "diverged",
-                        "trained_hash": plan.trained_hash,
+                        "trained_hash": plan.identity.trained_hash,
                         "train": {"diverged_at_step": err.step, "loss": err.loss},
                     },
                 )
@@ -404,16 +379,16 @@ def _converted(plan, tokenizer, data, record, dist):
     t = time.perf_counter()
     config = plan.config
     kept = (
-        TrainedModel(config.results_dir, describe_conversion(plan), plan.conversion_hash)
-        if plan.conversion_hash
+        TrainedModel(config.results_dir, plan.identity.conversion_name, plan.identity.conversion_hash)
+        if plan.identity.conversion_hash
         else None
     )
     from ..train.objectives import build_objective
 
     needs_teacher = build_objective(config.objective).needs_teacher
-    from_main = plan.fine_tune and sharding.shards(config.train)  # the weights come from the main process
+    from_main = plan.training.fine_tune and sharding.shards(config.train)  # the weights come from the main process
     holds_weights = dist.is_main_process or not from_main
-    keeps_original = needs_teacher or (plan.distill and holds_weights)  # the teacher, or distillation's
+    keeps_original = needs_teacher or (plan.training.distill and holds_weights)  # the teacher, or distillation's
     # the reuse check, the read and the save under the conversion's lock: no other process converts it twice,
     # replaces it or prunes it meanwhile
     lock = kept.lock() if kept is not None and dist.is_main_process else contextlib.nullcontext()
@@ -421,10 +396,9 @@ def _converted(plan, tokenizer, data, record, dist):
         reuse = kept is not None and same_on_every_rank(kept.complete(), dist)
         original = None
         if (holds_weights and not reuse) or keeps_original:
-            where = stages.placement(config.model, plan.eval_dtype, dist.device)
-            original, _ = stages.load(config.model, where, dist.device)
+            original, _ = stages.load(config.model, plan.evaluation.placement(dist.device), dist.device)
             record["model"]["params_original"] = stages.count_parameters(original)
-            record["model"].update(stages.source_commit(config.model, original))
+            record["model"].update(stages.source_commit(config.model.source, original))
         timings["load_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
         model = None
@@ -435,9 +409,7 @@ def _converted(plan, tokenizer, data, record, dist):
             )
             record["reused_conversion"] = str(kept.dir)
         elif holds_weights:
-            model = stages.convert(
-                plan, original, stages.calibration_batches(plan, data), stages.selection_batches(plan, data)
-            )
+            model = stages.convert(plan.conversion.spec, config, original, data)
             if kept is not None and dist.is_main_process:
                 kept.save(
                     model,
@@ -447,14 +419,14 @@ def _converted(plan, tokenizer, data, record, dist):
                         | {"params": stages.count_parameters(model)},
                         "rope_pairs": model.config.rope_pairs,
                         "status": "ok",
-                        "conversion_hash": plan.conversion_hash,
+                        "conversion_hash": plan.identity.conversion_hash,
                     },
                 )
                 fault_point("conversion.kept")
         if reuse and not from_main:
             dist.wait_for_everyone()  # every process has read the kept conversion before the lock is let go
     if from_main:
-        _wait_for_the_main_process_to_convert(config.distributed, dist)
+        _wait_for_main_process_alone(config.distributed.eval_wait_s, dist)
         model_config = same_on_every_rank(model.config if dist.is_main_process else None, dist)
         model = model if holds_weights else sharding.empty_like_main(model_config)
     elif not reuse:
@@ -463,38 +435,33 @@ def _converted(plan, tokenizer, data, record, dist):
     return (original if keeps_original else None), model
 
 
-def _wait_for_the_main_process_to_convert(distributed: DistributedConfig, dist) -> None:
-    """The other processes wait while the main one alone loads, converts or distills (FSDP): on the barrier that
-    outlasts the main process's long work (`ranks.wait_for_main_process`), not in a training collective, whose
-    timeout (`distributed.timeout_s`) is meant to catch hangs."""
-    wait_for_main_process(dist, distributed.eval_wait_s)
-
-
 def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_step):
     config = plan.config
     if dist.is_main_process:  # a swap cut by a kill is mended before anything reads the checkpoint's step
         recover_checkpoint(trained.dir / CHECKPOINT_DIR)
     dist.wait_for_everyone()
     original, model = _converted(plan, tokenizer, data, record, dist)
-    if plan.distill:
+    if plan.training.distill:
         done = trained.dir / "distill.json"
-        from_main = plan.fine_tune and sharding.shards(config.train)  # FSDP: the main process distills alone
+        from_main = plan.training.fine_tune and sharding.shards(config.train)  # FSDP: the main process distills alone
         if done.exists() and _checkpoint_step(trained.dir) >= 0:  # the checkpoint holds the distilled weights
             record["distill"] = json.loads(done.read_text())
         elif dist.is_main_process or not from_main:
-            record["distill"] = stages.distill(plan, original, model, data)
+            record["distill"] = stages.distill(plan.conversion.spec, config, original, model, data)
             if dist.is_main_process:
                 write_json_atomic(done, record["distill"])
         if from_main:
-            _wait_for_the_main_process_to_convert(config.distributed, dist)
+            _wait_for_main_process_alone(config.distributed.eval_wait_s, dist)
         _stage_seconds(record)
-    _describe_model(record, plan, model)
+    _describe_model(record, model)
 
-    if plan.fine_tune:
+    if plan.training.fine_tune:
         from ..train.objectives import build_objective
 
         objective = build_objective(config.objective)
-        teacher = stages.teacher_for(plan, original) if objective.needs_teacher else None
+        teacher = (
+            stages.teacher_for(plan.training.precision.compute_dtype, original) if objective.needs_teacher else None
+        )
         original = None  # only the teacher (if any) keeps the original weights alive
         metrics = MetricsLog(trained.metrics_path)
         if dist.is_main_process:
@@ -509,13 +476,13 @@ def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_
             rows,
             config.train,
             trained.dir,
-            precision=plan.precision,
+            precision=plan.training.precision,
             seed=config.seed,
             objective=objective,
             teacher=teacher,
             pretrain_tokens=config.model.pretrain_tokens,
             on_log=on_log,
-            probe=stages.heldout_probe(plan, data),
+            probe=held_out_probe(config.eval.perplexity, config.train.eval_batches, data),
             fail_at_step=fail_at_step,
             device=dist.device,
         )
@@ -527,11 +494,18 @@ def _train(plan, trained, tokenizer, data, rows, record, dist, tracker, fail_at_
             model,
             tokenizer,
             {k: record.get(k) for k in ("model", "train", "distill", "rope_pairs")}
-            | {"status": "ok", "trained_hash": plan.trained_hash},
+            | {"status": "ok", "trained_hash": plan.identity.trained_hash},
         )
         fault_point("trained.kept")
         remove_checkpoint(trained.dir)  # the weights are kept, the resume point is no longer needed
     return model
+
+
+def _wait_for_main_process_alone(timeout_s: float, dist) -> None:
+    """The other processes wait while the main one alone loads, converts or distills (FSDP): on the barrier that
+    outlasts the main process's long work (`ranks.wait_for_main_process`), not in a training collective, whose
+    timeout (`distributed.timeout_s`) is meant to catch hangs."""
+    wait_for_main_process(dist, timeout_s)
 
 
 def _stage_seconds(record: dict) -> None:
@@ -541,32 +515,42 @@ def _stage_seconds(record: dict) -> None:
             record["timings"][f"{stage}_s"] = record[stage]["seconds"]
 
 
-def _describe_model(record: dict, plan: RunPlan, model) -> None:
+def _describe_model(record: dict, model) -> None:
+    """The evaluated model's parameters and, for a conversion, its facts as its config states them."""
     record["model"]["params"] = stages.count_parameters(model)
-    if plan.spec is not None:
+    if getattr(model.config, "model_type", None) == "mha2mla":
         record["rope_pairs"] = model.config.rope_pairs
         record["conversion"] = model.config.conversion_facts()
-        if plan.spec.svd != "none":  # how the low-rank factors were split between down and up (mla/lowrank.py)
+        if model.config.mla["svd"] != "none":  # how the low-rank factors were split between down and up
             record["conversion"]["lowrank_factors"] = FACTOR_SPLIT
 
 
-def _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, dist) -> None:
+def _checkpoint_step(root: Path) -> int:
+    """The step the fine-tune resumes after (-1: it starts afresh, so no line of an earlier attempt is kept);
+    read after `recover_checkpoint`, so a swap cut between its renames counts its newest complete checkpoint."""
+    progress = Path(root) / CHECKPOINT_DIR / "progress.json"
+    return json.loads(progress.read_text())["step"] if progress.exists() else -1
+
+
+def _evaluate(plan, model, tokenizer, data, record, run_dir, also, dist) -> None:
     """On every process: the KV measurement and held-out perplexity whole (cheap; so that all enter the suites
     together), the lm-eval suites each on its share of the documents, gathered onto the main process, whose
     record holds them. The suites' collectives wait on the long-timeout group: shares end minutes apart."""
     t = time.perf_counter()
-    record["eval_dtype"] = plan.eval_dtype  # the lm-eval suites'; held-out perplexity runs in the weights' dtype
-    record["eval_dtype_reason"] = plan.eval_dtype_reason
-    record["kv"] = stages.measure_kv(plan, model, data)
+    record["eval_dtype"] = plan.evaluation.dtype  # the lm-eval suites'; held-out perplexity runs in the weights' dtype
+    record["eval_dtype_reason"] = plan.evaluation.dtype_reason
+    config = plan.config
+    record["kv"] = stages.measure_kv(plan.evaluation.kv_quant, config.kv_measure_tokens, model, data)
     record["eval"] = stages.evaluate(
-        plan,
+        plan.evaluation,
+        config.eval,
         model,
         tokenizer,
         data,
-        run_dir if dist.is_main_process else None,
+        window=config.model.finetune_length,
+        run_dir=run_dir if dist.is_main_process else None,
         also=also,
-        where=placement,
-        process_group=long_wait_group(dist, plan.config.distributed.eval_wait_s),
+        process_group=long_wait_group(dist, config.distributed.eval_wait_s),
     )
     if dist.is_main_process:
         fault_point("eval.written")  # its per-document results are on disk, the record not yet
@@ -575,11 +559,12 @@ def _evaluate(plan, model, tokenizer, data, record, run_dir, also, placement, di
     record["timings"]["eval_s"] = round(time.perf_counter() - t, 3)
 
 
-def _checkpoint_step(root: Path) -> int:
-    """The step the fine-tune resumes after (-1: it starts afresh, so no line of an earlier attempt is kept);
-    read after `recover_checkpoint`, so a swap cut between its renames counts its newest complete checkpoint."""
-    progress = Path(root) / CHECKPOINT_DIR / "progress.json"
-    return json.loads(progress.read_text())["step"] if progress.exists() else -1
+def _finish(record: dict, run_dir: Path, started: float, tracker, main: bool) -> None:
+    record["timings"]["total_s"] = round(time.perf_counter() - started, 3)
+    if main:
+        write_json_atomic(run_dir / "results.json", record)
+        fault_point(f"record.{record['status']}")
+        tracker.finish(record)
 
 
 IDENTITY_FIELDS = ("config_hash", "trained_hash", "eval_hash", "setting_hash")
