@@ -65,7 +65,7 @@ def test_with_or_without_plus_is_one_launch_and_a_budget_name_pins_its_budget():
 def test_every_name_in_the_docs_and_records_dry_launches_and_records_under_a_name_that_launches_it(
     name, offline_checks, tmp_path, capsys
 ):
-    from mha2mla_exp.runner.run import run
+    from mha2mla_exp.runner import run, run_config
 
     assert name in experiment_launches(), f"{name}: no experiment file or budget name launches it"
     arguments = launch_arguments([f"experiment={name}", f"results_dir={tmp_path}", "logger=none", "dry_run=true"])
@@ -73,7 +73,7 @@ def test_every_name_in_the_docs_and_records_dry_launches_and_records_under_a_nam
         sweep = compose(config_name="config", overrides=arguments, return_hydra_config=True).hydra.sweeper
         first_row = expand(arguments)[0][1] if sweep._target_.endswith("RowsSweeper") else arguments
         cfg = compose(config_name="config", overrides=first_row)
-    outcome = run(cfg)
+    outcome = run(run_config(cfg))
     assert outcome["status"] == "planned", outcome
     launch, recorded = experiment_launches()[name], cfg.experiment
     assert experiment_launches()[recorded][:1] == launch[:1], f"{name} records under {recorded}, another study"
