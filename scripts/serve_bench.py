@@ -250,7 +250,9 @@ def run_child(model: Path, name: str, args, *flags: str) -> dict:
     """A child process (this script, --child) and its record; the log is kept as OUT/NAME.log. The peak memory:
     the largest sum of the resident sets of the child's process tree (it, the engine core, its worker), sampled
     every 0.5 s (pages the processes share are counted in each)."""
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
+    # vLLM's engine gives up on a model step after 300 s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS); a 7B-shaped 4k prefill
+    # on 2 busy cores took longer, and the engine died mid-measurement: an hour, unless the caller says otherwise
+    env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"} | os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     result = Path(args.out) / f".{name}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", str(model), "--child-out", str(result), *flags]
