@@ -68,6 +68,7 @@ DEFAULT_OPTIONS = {
         ("init", SvdConfig),
         ("allocation", SvdConfig),
         ("nope_keys", RopeConfig),
+        ("convert_layers", SvdConfig),
     )
 }
 # the fine-tune's recovery settings of the paper's recipe (conf/train/cpu_short.yaml, conf/objective/ce.yaml);
