@@ -121,32 +121,14 @@ def test_recovery_probe_records_a_curve_without_changing_the_run(tmp_path):
 
 
 def test_exploding_fine_tune_is_recorded_as_diverged(tmp_path):
-    cfg = smoke_cfg(
-        tmp_path,
-        "mla_2-norm_joint",
-        "train.lr=5.0",
-        "train.warmup_steps=0",
-        "train.divergence_factor=1.05",
-        "train.tokens=8192",
-    )
+    exploding = ("train.lr=5.0", "train.warmup_steps=0", "train.divergence_factor=1.05", "train.tokens=8192")
+    cfg = smoke_cfg(tmp_path, "mla_2-norm_joint", *exploding)
     record = run(run_config(cfg))
     assert record["status"] == "diverged"
     assert "diverged at step" in record["error"]
     again = run(run_config(cfg))  # a diverged run is a result: not rerun
     assert again["status"] == "diverged"
-    other_eval = run(
-        run_config(
-            smoke_cfg(
-                tmp_path,
-                "mla_2-norm_joint",
-                "train.lr=5.0",
-                "train.warmup_steps=0",
-                "train.divergence_factor=1.05",
-                "train.tokens=8192",
-                "kv_measure_tokens=32",
-            )
-        )
-    )
+    other_eval = run(run_config(smoke_cfg(tmp_path, "mla_2-norm_joint", *exploding, "kv_measure_tokens=32")))
     assert other_eval["status"] == "diverged" and "kept record" in other_eval["error"]  # known, not retrained
 
 
