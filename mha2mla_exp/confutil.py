@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import MissingMandatoryValue, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .schema.store import register as register_schema
@@ -94,7 +94,7 @@ def typed_section(cls: type[T], values: Any, group: str = "") -> T:
 
     prefix = f"{group}." if group else ""
     try:
-        section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+        section = OmegaConf.to_object(OmegaConf.merge(_schema_of(cls), values))
     except MissingMandatoryValue as err:
         raise ValueError(f"{prefix}{err.full_key}: missing (a ??? value): set it, e.g. on the command line") from None
     except OmegaConfBaseException as err:
@@ -104,6 +104,12 @@ def typed_section(cls: type[T], values: Any, group: str = "") -> T:
     if problems:
         raise ValueError("; ".join(problems))
     return section
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_of(cls: type) -> DictConfig:
+    """The schema's structured config for `cls`, built once: OmegaConf.merge copies it, never changes it."""
+    return OmegaConf.structured(cls)
 
 
 def _unknown_options(obj: Any, prefix: str) -> list[str]:

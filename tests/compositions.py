@@ -9,6 +9,7 @@ checks a snapshot (made before the experiments were refactored) against today's:
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Iterator
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import mha2mla_exp.confutil  # noqa: F401  (the resolvers the configs use)
 from hydra_plugins.rows_sweeper.rows_sweeper import grid, jobs
@@ -39,8 +40,10 @@ def budgets(experiment: str) -> dict[str | None, str]:
     return dict(names) if names else {None: cfg.experiment}
 
 
+@functools.lru_cache(maxsize=None)
 def catalogue() -> dict[tuple[str, str | None], str]:
-    """(experiment, budget) -> the experiment's name there (its records' folder), for every experiment file."""
+    """(experiment, budget) -> the experiment's name there (its records' folder), for every experiment file (once a
+    process: the test modules that parametrize over it are collected by every xdist worker)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return {
             (experiment, budget): name for experiment in experiments() for budget, name in budgets(experiment).items()
@@ -54,7 +57,7 @@ def launch(experiment: str, budget: str | None = None, *extra: str) -> list[str]
 
 def rows(arguments: list[str]) -> dict[str, list[str]]:
     """The sweeper's rows for a launch, params appended: name -> overrides."""
-    sweeper = compose(config_name="config", overrides=arguments, return_hydra_config=True).hydra.sweeper
+    sweeper = composed(arguments, hydra=True).hydra.sweeper
     sweeper = OmegaConf.to_container(sweeper, resolve=True)
     return grid(
         sweeper.get("params"), sweeper.get("rows"), sweeper.get("budget"), sweeper.get("at"), sweeper.get("only")
@@ -75,8 +78,22 @@ def one_row(arguments: list[str], name: str) -> list[str]:
     return job
 
 
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...], hydra: bool) -> DictConfig:
+    cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
+    OmegaConf.set_readonly(cfg, True)  # shared by every caller: one that tried to change it would fail loudly
+    return cfg
+
+
+def composed(overrides: list[str], hydra: bool = False) -> DictConfig:
+    """Hydra's compose of conf/config.yaml (inside `initialize_config_dir(CONF)`), once per command line in a test
+    session: the experiment tests, the config tests and the committed-record check compose the same ~700 jobs, and
+    a composition costs tens of milliseconds. Read-only; interpolations resolve when read, as compose leaves them."""
+    return _composed(tuple(overrides), hydra)
+
+
 def resolved(overrides: list[str]) -> dict:
-    return OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+    return OmegaConf.to_container(composed(overrides), resolve=True)
 
 
 def launches() -> Iterator[tuple[str, str | None, list[str]]]:

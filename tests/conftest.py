@@ -11,6 +11,59 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+MAX_WORKERS = 4  # each worker holds torch and, in the real-model tests, a model: a few GB
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    return min(_cores(), MAX_WORKERS)
+
+
+# Tests that share a session fixture (the one-process reference run; the memoized compositions) run on one worker.
+SHARED_GROUPS = {
+    "test_fsdp_memory": "test_distributed",
+    "test_experiments": "test_configs",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one unit of work for the xdist workers (`--dist loadgroup`): its module and session fixtures
+    are built once, on one worker; files that share a fixture are one unit (SHARED_GROUPS). Units holding a test
+    marked `slow` are handed out first, so that no worker is left running one while the other idles at the end."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            module = item.module.__name__.rpartition(".")[2] if item.module else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
+
+    def group(item):
+        return next(item.iter_markers("xdist_group")).args[0]
+
+    slow = {group(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: group(item) not in slow)  # stable: collection order otherwise
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto`, pyproject.toml) the workers share the cores: each takes its part of them, so
+    that two workers on two cores do not run two torch threads each, and its subprocesses (torchrun launches,
+    module runs) inherit that share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, _cores() // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+def bf16_untimed(hidden_size: int, intermediate_size: int) -> tuple[bool, str]:
+    """`validate(..., bf16_pays=bf16_untimed)`: `train.precision=auto` planned as on a CPU where bf16 does not pay,
+    for tests about what a config composes and validates to, not about this CPU's bf16 speed (the real probe times
+    matmuls at the model's shape: 21 s for Llama-2-7B's on one thread)."""
+    return False, "pinned by the test: bf16 does not pay"
+
+
 def tiny_causal_lm(kind: str = "gqa", *, seed: int = 0, layers: int = 2, tie: bool = False):
     """A float32 random model: 'mha' (4 heads), 'gqa' (4 query / 2 KV heads), 'qwen2' (GQA with q/k/v biases)
     or 'mistral' (GQA). head_dim 16, hidden 64."""
@@ -86,3 +139,15 @@ def tiny():
     model, tokenizer = build_random_model(TINY_BYTE_LM)
     yield model.eval(), tokenizer
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory):
+    """The tiny launched run (tests/launches.py) on one process, 4 rows x 2 accumulations a step: the reference the
+    multi-process, FSDP and resume tests compare their losses with. (record, curve)"""
+    from tests.launches import launch, only_record
+
+    out = tmp_path_factory.mktemp("one")
+    result = launch(out, 1, "train.micro_batch_size=4", "train.grad_accum=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return only_record(out)

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from mha2mla_exp.runner import ConfigError, plan_run, run_config, validate
-from tests.compositions import catalogue, expand
+from tests.compositions import catalogue, composed, expand
+from tests.conftest import bf16_untimed
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PUBLISHED_RUNS = CONF.parent / "results" / "runs"
@@ -20,6 +21,10 @@ GROUPS = ["model", "data", "rope", "svd", "kv_quant", "train", "eval", "logger"]
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def validated(cfg):
+    return validate(run_config(cfg), bf16_pays=bf16_untimed)
 
 
 def compose_cfg(overrides: list[str], hydra: bool = False):
@@ -55,19 +60,21 @@ def aws_access(monkeypatch):
     monkeypatch.setattr(sources, "check_software_heritage_access", lambda where: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, budget", sorted(catalogue(), key=str))
 def test_every_experiment_and_row_composes_and_validates(name, budget, aws_access, tmp_path):
     launched = [f"+experiment={name}", *([f"budget={budget}"] if budget else []), f"results_dir={PUBLISHED_RUNS}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         jobs = [job for _, job in expand(launched)]
+        cells = [composed(job + offline_longbench(composed(job), tmp_path)) for job in jobs]
     assert jobs, "an experiment declares its grid"
     one_process = SimpleNamespace(num_processes=1, is_main_process=True)
     # planned as the runner plans them against the published runs (`train.precision=auto` goes on in the mode a
     # committed record was made in), on a CPU where bf16 pays and on one where it does not, whichever this is
-    cells = [compose_cfg(job + offline_longbench(compose_cfg(job), tmp_path)) for job in jobs]
+    configs = [run_config(cell) for cell in cells]
     for bf16_fast in (True, False):
         pinned = lambda *_, fast=bf16_fast: (fast, "pinned by the test")  # noqa: E731
-        plans = [plan_run(run_config(cell), one_process, bf16_pays=pinned) for cell in cells]
+        plans = [plan_run(config, one_process, bf16_pays=pinned) for config in configs]
         # two rows may be one run on a machine (a row pinning bf16-autocast, another leaving `auto` to choose it):
         # then they share a name and a hash, and a sweep makes it once; two different runs never share a name
         named = {(plan.identity.name, plan.identity.run_hash) for plan in plans}
@@ -78,13 +85,13 @@ def rows_of(*launched: str) -> list:
     """The configs of a launch's rows (hydra/sweeper: rows expanded as tests/compositions.py does)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         jobs = [job for _, job in expand(list(launched))]
-    return [compose_cfg(job) for job in jobs]
+        return [composed(job) for job in jobs]
 
 
 def test_table3_is_paper_table_3():
     rows = set()
     for cfg in rows_of("+experiment=table3"):
-        plan = validate(run_config(cfg))
+        plan = validated(cfg)
         spec = plan.conversion.spec
         rows.add(
             (plan.conversion.table_variant, spec and spec.rope, spec and spec.r, spec and spec.svd, spec and spec.d_kv)
@@ -101,7 +108,7 @@ def test_table1_uses_each_models_three_d_kv():
     for model, expected in (("smollm2_135m", {32, 16, 8}), ("llama2_7b", {64, 32, 16})):
         d_kvs = set()
         for cfg in rows_of("+experiment=table1", f"model={model}"):
-            plan = validate(run_config(cfg))
+            plan = validated(cfg)
             if plan.conversion.spec:
                 d_kvs.add(plan.conversion.spec.d_kv)
                 assert plan.conversion.spec.r == cfg.model.shape.head_dim // 16
@@ -181,7 +188,7 @@ def test_paper_sweeps_pair_each_model_with_its_budget_length_and_calibration(scr
         assert cfg.train.tokens == steps * batch * length, model
         assert cfg.train.micro_batch_size * cfg.train.grad_accum == batch == cfg.train.global_batch_rows, model
         assert (cfg.calibration.num_sequences, cfg.calibration.seq_len) == (1024, length), model
-        validate(run_config(cfg))
+        validated(cfg)
 
 
 def test_paper_share_of_pretraining_tokens():
@@ -196,20 +203,20 @@ def test_the_global_batch_is_checked_against_the_processes(monkeypatch, aws_acce
     base = ["+experiment=table1", "budget=paper", "model=smollm_135m", "variant=finetuned_full_attention"]
     monkeypatch.setenv("WORLD_SIZE", "8")
     ok = compose_cfg(base)
-    assert (ok.train.micro_batch_size, ok.train.grad_accum) == (8, 1) and validate(run_config(ok)).training.fine_tune
+    assert (ok.train.micro_batch_size, ok.train.grad_accum) == (8, 1) and validated(ok).training.fine_tune
     with pytest.raises(
         ConfigError,
         match=r"train\.grad_accum: .* x grad_accum 2 x 8 processes = 128 rows .* is 64: "
         r"set train\.grad_accum=1",
     ):
-        validate(run_config(compose_cfg([*base, "train.grad_accum=2"])))
+        validated(compose_cfg([*base, "train.grad_accum=2"]))
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(
         ConfigError,
         match=r"train\.grad_accum: micro_batch_size 16 x grad_accum 1 x 3 processes = 48 "
         r"rows .* is 64: choose micro_batch_size x processes dividing 64",
     ):
-        validate(run_config(compose_cfg(base)))
+        validated(compose_cfg(base))
 
 
 def test_an_unsupported_architecture_fails_before_loading(tmp_path):
@@ -218,16 +225,13 @@ def test_an_unsupported_architecture_fails_before_loading(tmp_path):
     (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     cfg = compose_cfg(["model.source=local", f"model.id={folder}"])
     with pytest.raises(ConfigError, match=r"model\.id: .* is a 'gpt2' model; the MLA conversion handles"):
-        validate(run_config(cfg))
+        validated(cfg)
     assert (
-        validate(
-            run_config(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"]))
-        ).conversion.spec
-        is None
+        validated(compose_cfg(["model.source=local", f"model.id={folder}", "variant=original"])).conversion.spec is None
     )
 
 
 def test_hqq_three_bits_validates_and_quanto_three_bits_does_not():
-    assert validate(run_config(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"]))).evaluation.kv_quant.nbits == 3
+    assert validated(compose_cfg(["kv_quant=hqq4", "kv_quant.nbits=3"])).evaluation.kv_quant.nbits == 3
     with pytest.raises(ConfigError, match="kv_quant.nbits: 3 is not supported by quanto"):
-        validate(run_config(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"])))
+        validated(compose_cfg(["kv_quant=quanto4", "kv_quant.nbits=3"]))

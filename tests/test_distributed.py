@@ -6,69 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-# a tiny model on a slice of the offline corpus, fp32 so that the two launches can be compared closely
-COMMON = [
-    "model=tiny_random",
-    "train=smoke",
-    "train.precision=fp32",
-    "train.tokens=4096",
-    "train.checkpoint_every=2",
-    "eval=none",
-    "logger=none",
-    "data.max_documents=24",
-    "calibration.num_sequences=4",
-    "calibration.seq_len=32",
-    "calibration.batch_size=2",
-    "kv_measure_tokens=64",
-    "rope=2-norm",
-    "rope.r=2",
-    "svd.d_kv=8",
-]
+from tests.launches import COMMON, ROOT, app, app_env, launch, only_record
 
+pytestmark = pytest.mark.slow  # each test launches the app two to four times
 
-def launch(results_dir: Path, processes: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    if processes == 1:
-        cmd = [sys.executable, "-m", "mha2mla_exp"]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-            "-m",
-            "mha2mla_exp",
-        ]
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(
-        [*cmd, *COMMON, *extra, f"results_dir={results_dir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
-def only_record(results_dir: Path) -> tuple[dict, list[dict]]:
-    [path] = list((results_dir / "default").glob("*/results.json"))
-    curve = path.parent / "metrics.jsonl"  # copied from the trained model's folder once training is over
-    metrics = [json.loads(line) for line in curve.read_text().splitlines()] if curve.exists() else []
-    return json.loads(path.read_text()), metrics
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one")
-    result = launch(out, 1, "train.micro_batch_size=4", "train.grad_accum=2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return only_record(out)
+# `one_process` (tests/conftest.py): the tiny run on one process, 4 rows x 2 accumulations a step, made once a session
 
 
 def test_two_processes_give_the_one_process_losses(one_process, tmp_path):
@@ -106,12 +51,9 @@ def test_both_ranks_killed_mid_run_resume_to_the_same_losses(one_process, tmp_pa
 
 def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_path):
     # submitit's local executor runs the SLURM launcher's code: one cell, tasks_per_node=2, each task a rank
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "mha2mla_exp",
+            *app(1),
             "-m",
             *COMMON,
             "train.micro_batch_size=4",
@@ -121,7 +63,7 @@ def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_pa
             "hydra.launcher.tasks_per_node=2",
         ],
         cwd=ROOT,
-        env=env,
+        env=app_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -134,18 +76,11 @@ def test_a_slurm_cell_with_two_tasks_trains_as_two_processes(one_process, tmp_pa
 
 
 def test_a_sweep_under_torchrun_outlasts_an_evaluation_longer_than_the_collective_timeout(tmp_path):
-    # the main process evaluates each cell for 40 s more than its collectives may wait (15 s): the other process
-    # must wait for it at the end of the cell, not in the next cell's first collective
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MHA2MLA_SLOW_EVAL_S="40")
+    # the main process spends 20 s more on each cell's evaluation, longer than collectives may wait (15 s): the other
+    # process must wait for it at the end of the cell, not in the next cell's first collective
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "mha2mla_exp",
+            *app(2),
             "-m",
             *COMMON,
             "train.tokens=1024",
@@ -156,7 +91,7 @@ def test_a_sweep_under_torchrun_outlasts_an_evaluation_longer_than_the_collectiv
             f"results_dir={tmp_path}",
         ],
         cwd=ROOT,
-        env=env,
+        env=app_env(MHA2MLA_SLOW_EVAL_S="20"),
         capture_output=True,
         text=True,
         timeout=900,
@@ -285,30 +220,12 @@ def test_a_stream_read_by_the_main_process_alone_gives_two_processes_the_one_pro
     )
 
     def curve_of(out, processes, accumulation):
-        cmd = (
-            [sys.executable, "-m", "mha2mla_exp"]
-            if processes == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={processes}",
-                "-m",
-                "mha2mla_exp",
-            ]
-        )
-        env = dict(
-            os.environ,
-            WANDB_MODE="disabled",
-            HF_HUB_OFFLINE="1",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        )
+        path = os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])
         result = subprocess.run(
-            [*cmd, *streamed, "train.micro_batch_size=4", f"train.grad_accum={accumulation}", f"results_dir={out}"],
+            [*app(processes), *streamed, "train.micro_batch_size=4", f"train.grad_accum={accumulation}"]
+            + [f"results_dir={out}"],
             cwd=ROOT,
-            env=env,
+            env=app_env(PYTHONPATH=path),
             capture_output=True,
             text=True,
             timeout=900,

@@ -182,6 +182,7 @@ def test_missing_offline_data_is_a_clear_error(tiny, tmp_path):
         evaluate_commonsense(EvalLM(model, tokenizer), CommonsenseConfig(data_root=str(tmp_path / "nowhere")))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smollm2_arc_challenge_matches_an_independent_lm_eval_run():
     """The real model on the real offline data, all 299 ARC-Challenge docs: acc_norm 0.314, the value an

@@ -9,8 +9,6 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_BYTE_LM
-from test_distributed import launch
 
 from mha2mla_exp.evaluation.fixtures import commonsense_tree, longbench_dir, text_files
 from mha2mla_exp.evaluation.lm import EvalLM
@@ -18,6 +16,8 @@ from mha2mla_exp.evaluation.long_context import evaluate_long_context
 from mha2mla_exp.evaluation.longbench import evaluate_longbench
 from mha2mla_exp.mla import convert_to_mla
 from mha2mla_exp.schema.sections import EvalConfig, LongBenchConfig, LongContextConfig
+from tests.conftest import TINY_BYTE_LM
+from tests.launches import launch
 
 # a converted tiny model, not fine-tuned (so both launches evaluate the same weights), on passkey generation and
 # long-document perplexity (generate_until and loglikelihood_rolling requests, 9 documents) and an offline

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from hydra_plugins.rows_sweeper.rows_sweeper import grid, jobs
-from tests.compositions import CONF, catalogue, expand, flat, launch, resolved
+from tests.compositions import CONF, catalogue, composed, expand, flat, launch, resolved
 
 ROOT = CONF.parent
 
@@ -32,7 +32,7 @@ def conf():
 @pytest.mark.parametrize("experiment, budget", sorted(CATALOGUE, key=str), ids=lambda v: str(v))
 def test_every_experiment_composes_at_every_budget_row_by_row(experiment, budget, conf):
     arguments = launch(experiment, budget)
-    hydra = compose(config_name="config", overrides=arguments, return_hydra_config=True).hydra
+    hydra = composed(arguments, hydra=True).hydra
     assert str(hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"), "an experiment launches its own grid"
     assert hydra.sweeper._target_.endswith("RowsSweeper")
     launched = expand(arguments)

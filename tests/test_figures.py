@@ -28,9 +28,14 @@ def committed():
     return agg, agg.figures()
 
 
+_DRAWN: dict = {}
+
+
 def _panels(figure):
-    FigureCanvasAgg(figure).draw()  # legends and texts get their places
-    return [ax for ax in figure.axes if ax.get_visible()]
+    if id(figure) not in _DRAWN:  # drawn once: each check reads the same panels
+        FigureCanvasAgg(figure).draw()  # legends and texts get their places
+        _DRAWN[id(figure)] = (figure, [ax for ax in figure.axes if ax.get_visible()])
+    return _DRAWN[id(figure)][1]
 
 
 def _labels(ax) -> list[str]:

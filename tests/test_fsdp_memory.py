@@ -7,9 +7,7 @@ model is gathered to the main process alone, on the training device; and one pro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import torch
 from mha2mla_exp.train import sharding
 from mha2mla_exp.train.recipe import KILL_AT_STEP_ENV, PEAK_RSS_DIR_ENV
 from tests.conftest import tiny_causal_lm
-from tests.test_distributed import COMMON, ROOT, launch, one_process, only_record  # noqa: F401 (a fixture)
+from tests.launches import COMMON, ROOT, app, app_env, launch, only_record
 
 # a random model whose weights dominate a process's memory: ~47M parameters, ~190 MB in fp32, in its layers
 # (a small vocabulary: the held-out probe's logits would otherwise be the peak)
@@ -32,6 +30,7 @@ BIG = [
 FSDP = ["train.micro_batch_size=4", "train.grad_accum=1", "train.strategy=fsdp"]
 
 
+@pytest.mark.slow
 def test_the_other_process_never_holds_a_full_copy_and_checkpoints_are_sharded(tmp_path):
     runs, rss = tmp_path / "runs", tmp_path / "rss"
     rss.mkdir()
@@ -72,23 +71,15 @@ def test_the_other_process_never_holds_a_full_copy_and_checkpoints_are_sharded(t
 
 def test_one_process_under_torchrun_trains_sharded_and_resumes_from_its_sharded_checkpoint(one_process, tmp_path):
     def torchrun(*extra, env=None):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "-m",
-            "mha2mla_exp",
-            *COMMON,
-            "train.micro_batch_size=4",
-            "train.grad_accum=2",
-            "train.strategy=fsdp",
-            *extra,
-            f"results_dir={tmp_path}",
-        ]  # the one process's batch: the same 8 rows a step
-        env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        fsdp = ["train.micro_batch_size=4", "train.grad_accum=2", "train.strategy=fsdp"]  # the same 8 rows a step
+        return subprocess.run(
+            [*app(1, torchrun=True), *COMMON, *fsdp, *extra, f"results_dir={tmp_path}"],
+            cwd=ROOT,
+            env=app_env(**(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     killed = torchrun(env={KILL_AT_STEP_ENV: "7"})
     assert killed.returncode != 0

@@ -14,7 +14,7 @@ from mha2mla_exp.runner.config import ConfigError
 from mha2mla_exp.train.loss_head import CHUNK_ROWS
 from mha2mla_exp.train.memory import estimate_memory, parameter_count
 from tests.compositions import one_row
-from tests.test_distributed import ROOT
+from tests.launches import ROOT
 
 LLAMA2_7B = dict(
     num_layers=32,

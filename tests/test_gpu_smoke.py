@@ -54,6 +54,7 @@ def stage(out: Path, name: str) -> dict:
     return json.loads(gpu_smoke.stage_path(out, name).read_text())
 
 
+@pytest.mark.slow
 def test_the_dry_mode_passes_every_stage_and_says_so(dry_run):
     out, result = dry_run
     summary = json.loads((out / "summary.json").read_text())

@@ -25,7 +25,7 @@ from mha2mla_exp.train.memory import (
     estimate_host_memory,
     parameter_count,
 )
-from tests.test_distributed import ROOT
+from tests.launches import ROOT
 from tests.test_paper_plan import compose_paper, offline  # noqa: F401 (a fixture)
 
 

@@ -16,7 +16,7 @@ from mha2mla_exp.train.budget import plan_budget
 from mha2mla_exp.train.memory import estimate_host_memory
 from mha2mla_exp.train.schedule import schedule_for
 from tests.compositions import one_row
-from tests.test_distributed import ROOT
+from tests.launches import ROOT
 
 
 @pytest.fixture

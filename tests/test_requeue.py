@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from mha2mla_exp.runner import run, run_config, trained_model_for, validate
 from mha2mla_exp.train import TrainingStopped
 from mha2mla_exp.train.recipe import recover_checkpoint
-from tests.test_distributed import COMMON, ROOT
+from tests.launches import COMMON, ROOT
 
 LONG = ["train.tokens=32768", "train.micro_batch_size=4", "train.grad_accum=2"]
 # no periodic checkpoint: whatever a stopped run resumes from was written because of the stop
@@ -51,6 +51,7 @@ def submitit_task(parent: psutil.Process) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_timed_out_cell_is_requeued_and_resumes_to_the_same_loss(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*COMMON, *LONG, f"results_dir={tmp_path / 'reference'}"])
