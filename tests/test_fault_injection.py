@@ -23,16 +23,13 @@ import pytest
 
 from mha2mla_exp.faults import FAULT_ENV
 from mha2mla_exp.runner.ranks import SLOW_EVAL_ENV
+from tests.launches import COMMON
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_RUN = [
-    "model=tiny_random",
-    "train=smoke",
-    "train.precision=fp32",
+TINY_RUN = [o for o in COMMON if not o.startswith(("train.tokens=", "train.checkpoint_every="))] + [
     "train.tokens=1024",  # 4 steps of 8 rows x 32 tokens
     "train.checkpoint_every=1",  # checkpoints after steps 1, 2, 3: the swap's every step is met
     "train.log_every=1",
-    "eval=none",
     "eval.perplexity.max_batches=1",
     # and one lm-eval suite, so the per-document samples file is written too: one passkey, one long document
     "model.finetune_length=320",  # the evaluation window the passkey prompt fits in
@@ -43,16 +40,7 @@ TINY_RUN = [
     "eval.long_context.ppl_lengths=[128]",
     "eval.long_context.ppl_docs=1",
     "eval.long_context.max_gen_toks=6",
-    "logger=none",
-    "data.max_documents=24",
     "data.seq_len=64",  # held-out rows (the probes, the perplexity) of 64 tokens: a tenth of the cost
-    "calibration.num_sequences=4",
-    "calibration.seq_len=32",
-    "calibration.batch_size=2",
-    "kv_measure_tokens=64",
-    "rope=2-norm",
-    "rope.r=2",
-    "svd.d_kv=8",
 ]
 # the write points of one run's life, in the order a run meets them; each launch of the chain is killed at the
 # first passage of its point, the next launch resumes (the comment: where the killed launch stands)
