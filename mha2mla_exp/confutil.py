@@ -108,7 +108,8 @@ def typed_section(cls: type[T], values: Any, group: str = "") -> T:
 
 @functools.lru_cache(maxsize=None)
 def _schema_of(cls: type) -> DictConfig:
-    """The schema's structured config for `cls`, built once: OmegaConf.merge copies it, never changes it."""
+    """The schema's structured config for `cls`, built once a process (0.16 s each time otherwise): OmegaConf.merge
+    copies it, never changes it. Its default factories run once too: none reads anything a run changes."""
     return OmegaConf.structured(cls)
 
 

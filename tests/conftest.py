@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama-family models for mechanics tests."""
+"""Shared fixtures (tiny random Llama-family models for mechanics tests, the one-process reference run) and how the
+suite is spread over pytest-xdist's workers (docs/TESTING.md)."""
 
 from __future__ import annotations
 
