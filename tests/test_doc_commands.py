@@ -51,6 +51,7 @@ from pathlib import Path
 import pytest
 from test_configs import offline_longbench, options
 
+from tests.compositions import composed
 from tests.conftest import bf16_untimed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,10 +218,9 @@ def hydra_conf():
 
 
 def compose(overrides, hydra: bool = False):
-    from hydra import compose as hydra_compose
-
+    """The session's memoized composition (tests/compositions.py): the docs repeat the experiments' jobs."""
     with hydra_conf():
-        return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
+        return composed(list(overrides), hydra)
 
 
 def is_sweep(override: str) -> bool:
@@ -290,16 +290,20 @@ class Checker:
             done += self.dispatch(argv)
         return done
 
-    def dispatch(self, argv: list[str], world: int = 1) -> list[str]:
-        key = (tuple(argv), world)
-        if key not in self.commands:
+    @staticmethod
+    def _once(store: dict, key, check):
+        """check() the first time `key` is met; its result, or its CommandFailed raised again, every time after."""
+        if key not in store:
             try:
-                self.commands[key] = self._dispatch(argv, world)
+                store[key] = check()
             except CommandFailed as err:
-                self.commands[key] = err
-        if isinstance(self.commands[key], CommandFailed):
-            raise self.commands[key]
-        return self.commands[key]
+                store[key] = err
+        if isinstance(store[key], CommandFailed):
+            raise store[key]
+        return store[key]
+
+    def dispatch(self, argv: list[str], world: int = 1) -> list[str]:
+        return self._once(self.commands, (tuple(argv), world), lambda: self._dispatch(argv, world))
 
     def _dispatch(self, argv: list[str], world: int) -> list[str]:
         prog = Path(argv[0]).name
@@ -388,15 +392,13 @@ class Checker:
             return jobs(rows, list(overrides), parser)
 
     def cell(self, overrides: tuple[str, ...], world: int) -> None:
-        key = (overrides, world)
-        if key not in self.cells:
+        def check():
             try:
                 self._check_cell(list(overrides), world)
-                self.cells[key] = None
             except Exception as err:
-                self.cells[key] = f"{' '.join(overrides)}: {type(err).__name__}: {err}"
-        if self.cells[key]:
-            raise CommandFailed(self.cells[key])
+                raise CommandFailed(f"{' '.join(overrides)}: {type(err).__name__}: {err}") from err
+
+        self._once(self.cells, (overrides, world), check)
 
     def _check_cell(self, overrides: list[str], world: int) -> None:
         from mha2mla_exp.runner import run_config, validate

@@ -4,6 +4,7 @@ draws data, has a legend of at most ~10 entries that covers no data point, at mo
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -28,14 +29,10 @@ def committed():
     return agg, agg.figures()
 
 
-_DRAWN: dict = {}
-
-
+@functools.cache  # drawn once: each check reads the same panels
 def _panels(figure):
-    if id(figure) not in _DRAWN:  # drawn once: each check reads the same panels
-        FigureCanvasAgg(figure).draw()  # legends and texts get their places
-        _DRAWN[id(figure)] = (figure, [ax for ax in figure.axes if ax.get_visible()])
-    return _DRAWN[id(figure)][1]
+    FigureCanvasAgg(figure).draw()  # legends and texts get their places
+    return [ax for ax in figure.axes if ax.get_visible()]
 
 
 def _labels(ax) -> list[str]:
