@@ -30,21 +30,33 @@ SHARED_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def file_group(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the file it shares a session fixture with (SHARED_GROUPS)."""
+    stem = nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+    return SHARED_GROUPS.get(stem, stem)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (pyproject.toml) with file_group as the scope: each unit's module and session fixtures
+    are built once, on one worker. Not `--dist loadgroup` with `xdist_group` marks: xdist passes the group on by
+    rewriting node ids, which pytest 9.2's structured ids ignore, silently (pytest-xdist issue 1386)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return file_group(nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test file is one unit of work for the xdist workers (`--dist loadgroup`): its module and session fixtures
-    are built once, on one worker; files that share a fixture are one unit (SHARED_GROUPS). Units holding a test
-    marked `slow` are handed out first, so that no worker is left running one while the other idles at the end."""
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            module = item.module.__name__.rpartition(".")[2] if item.module else item.path.stem
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
-
-    def group(item):
-        return next(item.iter_markers("xdist_group")).args[0]
-
-    slow = {group(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: group(item) not in slow)  # stable: collection order otherwise
+    """Units holding a test marked `slow` are handed out first (`--no-loadscope-reorder` keeps this order), so that
+    no worker is left running one while the other idles at the end."""
+    slow = {file_group(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: file_group(item.nodeid) not in slow)  # stable: collection order otherwise
 
 
 def pytest_configure(config):

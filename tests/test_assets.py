@@ -367,3 +367,18 @@ def test_local_folder_loads_and_shape_is_checked(tmp_path):
     wrong = dataclasses.replace(cfg, shape=dataclasses.replace(cfg.shape, num_kv_heads=4))
     with pytest.raises(ValueError, match="num_kv_heads: config says 4, model has 2"):
         load_model(wrong, device="cpu")
+
+
+def test_a_gguf_conversion_parses_the_file_once(monkeypatch):
+    # transformers parses the GGUF for the tokenizer, the config and the weights: inside the block one parse serves
+    import gguf
+
+    from mha2mla_exp.assets.hf_folder import gguf_parsed_once
+
+    parses = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path: parses.append(path) or object())
+    real = gguf.GGUFReader
+    with gguf_parsed_once():
+        first, again, other = gguf.GGUFReader("a.gguf"), gguf.GGUFReader("a.gguf"), gguf.GGUFReader("b.gguf")
+    assert first is again and other is not first and parses == ["a.gguf", "b.gguf"]
+    assert gguf.GGUFReader is real  # restored: a later conversion parses its file afresh

@@ -8,6 +8,7 @@ the tokenizer, reloaded and checked against the GGUF model before the folder is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -83,10 +84,11 @@ def gguf_to_hf_folder(gguf: Path, out: Path, *, check: bool = True) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    src = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        src = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain fp32, not GGUF
@@ -98,6 +100,29 @@ def gguf_to_hf_folder(gguf: Path, out: Path, *, check: bool = True) -> None:
     tokenizer.save_pretrained(out)
     if check:
         _check_roundtrip(src, tokenizer, out)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers parses the GGUF anew for the tokenizer, the config and the weights: ~8 s each for Gemma-3's
+    262k-token vocabulary, most of a conversion. Inside this block one parse (a read-only memory map) serves them
+    (transformers imports the reader from the `gguf` package at each parse)."""
+    import gguf as gguf_utils
+
+    parse = gguf_utils.GGUFReader
+    parsed = {}
+
+    def parsed_once(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = parse(path, *args, **kwargs)
+        return parsed[key]
+
+    gguf_utils.GGUFReader = parsed_once
+    try:
+        yield
+    finally:
+        gguf_utils.GGUFReader = parse
 
 
 def _check_roundtrip(src, tokenizer, out: Path) -> None:
