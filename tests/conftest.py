@@ -20,7 +20,9 @@ def _cores() -> int:
 
 
 def pytest_xdist_auto_num_workers(config):
-    return min(_cores(), MAX_WORKERS)
+    """One worker more than the cores: a worker waiting on a launched run, a sleep or a download leaves its core to
+    the spare (2 cores: 810 s with 3 workers against 855 s with 2, the same tests; docs/TESTING.md)."""
+    return min(_cores() + 1, MAX_WORKERS)
 
 
 # Tests that share a session fixture (the one-process reference run; the memoized compositions) run on one worker.
@@ -75,6 +77,14 @@ def bf16_untimed(hidden_size: int, intermediate_size: int) -> tuple[bool, str]:
     for tests about what a config composes and validates to, not about this CPU's bf16 speed (the real probe times
     matmuls at the model's shape: 21 s for Llama-2-7B's on one thread)."""
     return False, "pinned by the test: bf16 does not pay"
+
+
+@pytest.fixture
+def bf16_not_timed(monkeypatch):
+    """bf16_untimed for runs the test starts in-process (`run`, a dry run): the probe answers without timing."""
+    monkeypatch.setattr(
+        "mha2mla_exp.train.precision.cpu_bf16_speedup", lambda *a, **k: (1.0, "pinned by the test: not timed")
+    )
 
 
 def tiny_causal_lm(kind: str = "gqa", *, seed: int = 0, layers: int = 2, tie: bool = False):

@@ -89,6 +89,7 @@ def paper_plan(*overrides):
                     "+experiment=table1",
                     "budget=paper",
                     "dry_run=true",
+                    "device=cuda",  # planned for the GPUs it names, not timed on this CPU (bf16 probe: 10 s at 7B)
                     *overrides,
                 ],
                 "mla_dkv_dh_over_8",
@@ -115,7 +116,7 @@ def test_the_documented_7b_plan_fits_and_a_plan_that_cannot_fit_is_refused(monke
         paper_plan("train.strategy=zero3")
 
 
-def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeypatch, tmp_path, capsys):
+def test_a_dry_run_plans_the_7b_on_a_machine_that_cannot_read_python_edu(monkeypatch, tmp_path, capsys, bf16_not_timed):
     """The documented dry run (the default mixture, python-edu included) plans the 7B where boto3 or AWS
     credentials are missing: the plan and its memory are printed with the reason (the cell is `refused`: a
     one-process launch of an 8-GPU plan, tests/test_paper_plan.py), while a real run is refused at validation."""

@@ -20,8 +20,8 @@ from tests.launches import ROOT
 
 
 @pytest.fixture
-def offline(monkeypatch):
-    """What validation asks the hub and S3 answered as on a cluster that has access."""
+def offline(monkeypatch, bf16_not_timed):
+    """What validation asks the hub and S3 answered as on a cluster that has access; this CPU's bf16 not timed."""
     from mha2mla_exp.data import sources
 
     monkeypatch.setattr("mha2mla_exp.runner.config.probe_architecture", lambda cfg: (None, []))
