@@ -20,9 +20,9 @@ def _cores() -> int:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """One worker more than the cores: a worker waiting on a launched run, a sleep or a download leaves its core to
-    the spare (2 cores: 810 s with 3 workers against 855 s with 2, the same tests; docs/TESTING.md)."""
-    return min(_cores() + 1, MAX_WORKERS)
+    """One worker a core. A spare worker (3 on 2 cores) was faster with the assets cached (810 s against 855 s) but
+    slower from a fresh clone, the time CI pays (914-951 s against 872 s; docs/TESTING.md)."""
+    return min(_cores(), MAX_WORKERS)
 
 
 # Tests that share a session fixture (the one-process reference run; the memoized compositions) run on one worker.
