@@ -10,24 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mha2mla_exp.bench.host_rss import TINY_RUN
+
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "model=tiny_random",
-    "train=smoke",
-    "train.precision=fp32",
-    "train.tokens=4096",
-    "train.checkpoint_every=2",
-    "eval=none",
-    "logger=none",
-    "data.max_documents=24",
-    "calibration.num_sequences=4",
-    "calibration.seq_len=32",
-    "calibration.batch_size=2",
-    "kv_measure_tokens=64",
-    "rope=2-norm",
-    "rope.r=2",
-    "svd.d_kv=8",
-]
+COMMON = ["model=tiny_random", *TINY_RUN, "train.tokens=4096", "rope=2-norm", "rope.r=2", "svd.d_kv=8"]
 
 
 def app(processes: int = 1, torchrun: bool | None = None) -> list[str]:

@@ -38,13 +38,11 @@ MODEL = [
     "rope.r=2",
     "svd.d_kv=8",
 ]
-RUN = [
+# a tiny run: a few fp32 steps on a slice of the offline corpus, no evaluation but the held-out perplexity (also
+# what the tests launch, tests/launches.py)
+TINY_RUN = [
     "train=smoke",
     "train.precision=fp32",
-    "train.tokens=1536",
-    "train.micro_batch_size=4",
-    "train.grad_accum=1",
-    "train.strategy=fsdp",
     "train.checkpoint_every=2",
     "eval=none",
     "logger=none",
@@ -54,6 +52,7 @@ RUN = [
     "calibration.batch_size=2",
     "kv_measure_tokens=64",
 ]
+RUN = [*TINY_RUN, "train.tokens=1536", "train.micro_batch_size=4", "train.grad_accum=1", "train.strategy=fsdp"]
 GB = 1e9
 
 
